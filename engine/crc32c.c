@@ -1,0 +1,78 @@
+/* CRC-32C: SSE4.2 instruction when present (chosen once at run time), slicing-by-8 table otherwise. */
+#include "crc32c.h"
+#include <string.h>
+
+#define POLY 0x82F63B78u
+
+static uint32_t table[8][256];
+static int hw = -1;
+
+static void init_table(void) {
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++) c = c & 1 ? (c >> 1) ^ POLY : c >> 1;
+        table[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; i++)
+        for (int t = 1; t < 8; t++) table[t][i] = (table[t - 1][i] >> 8) ^ table[0][table[t - 1][i] & 0xff];
+}
+
+static uint32_t crc_sw(uint32_t crc, const unsigned char *p, size_t n) {
+    while (n && ((uintptr_t)p & 7)) { crc = table[0][(crc ^ *p++) & 0xff] ^ (crc >> 8); n--; }
+    while (n >= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        w ^= crc;
+        crc = table[7][w & 0xff] ^ table[6][(w >> 8) & 0xff] ^ table[5][(w >> 16) & 0xff] ^
+              table[4][(w >> 24) & 0xff] ^ table[3][(w >> 32) & 0xff] ^ table[2][(w >> 40) & 0xff] ^
+              table[1][(w >> 48) & 0xff] ^ table[0][w >> 56];
+        p += 8; n -= 8;
+    }
+    while (n--) crc = table[0][(crc ^ *p++) & 0xff] ^ (crc >> 8);
+    return crc;
+}
+
+#if defined(__x86_64__)
+#include <nmmintrin.h>
+/* One crc32 instruction per 8 bytes (~8 GB/s, latency bound); enough beside a ~3 GB/s disk. */
+__attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const unsigned char *p, size_t n) {
+    uint64_t c = crc;
+    while (n && ((uintptr_t)p & 7)) { c = _mm_crc32_u8((uint32_t)c, *p++); n--; }
+    while (n >= 64) {
+        uint64_t w[8];
+        memcpy(w, p, 64);
+        c = _mm_crc32_u64(c, w[0]); c = _mm_crc32_u64(c, w[1]);
+        c = _mm_crc32_u64(c, w[2]); c = _mm_crc32_u64(c, w[3]);
+        c = _mm_crc32_u64(c, w[4]); c = _mm_crc32_u64(c, w[5]);
+        c = _mm_crc32_u64(c, w[6]); c = _mm_crc32_u64(c, w[7]);
+        p += 64; n -= 64;
+    }
+    while (n >= 8) { uint64_t w; memcpy(&w, p, 8); c = _mm_crc32_u64(c, w); p += 8; n -= 8; }
+    while (n--) c = _mm_crc32_u8((uint32_t)c, *p++);
+    return (uint32_t)c;
+}
+#endif
+
+static void init(void) {
+    init_table();
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    hw = __builtin_cpu_supports("sse4.2") ? 1 : 0;
+#else
+    hw = 0;
+#endif
+}
+
+int ucl_crc32c_hw(void) {
+    if (hw < 0) init();
+    return hw;
+}
+
+uint32_t ucl_crc32c(uint32_t crc, const void *buf, size_t n) {
+    if (hw < 0) init();
+    crc = ~crc;
+#if defined(__x86_64__)
+    if (hw) return ~crc_hw(crc, (const unsigned char *)buf, n);
+#endif
+    return ~crc_sw(crc, (const unsigned char *)buf, n);
+}

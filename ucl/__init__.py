@@ -1,0 +1,1 @@
+"""ucl: the Universal Checkpoint Language and its I/O engine."""
