@@ -1,1 +1,30 @@
-"""ucl: the Universal Checkpoint Language and its I/O engine."""
+"""ucl: the Universal Checkpoint Language and its I/O engine.
+
+>>> import ucl
+>>> ucl.save(model.state_dict(), "ckpt", step=100)
+>>> ckpt = ucl.open("ckpt")            # latest committed step
+>>> ckpt["layers.0.weight"][:128]      # reads only the chunks it needs
+"""
+
+from ucl.dtypes import register_zarr_dtypes as _register_zarr_dtypes
+from ucl.errors import UCLError
+from ucl.reader import Checkpoint, LazyTensor, load, open
+from ucl.repo import Repository
+from ucl.writer import save
+
+__all__ = ["Checkpoint", "LazyTensor", "Repository", "UCLError", "load", "open", "save", "validate"]
+__version__ = "0.1.0"
+
+
+def validate(path, step=None, *, storage_options=None):  # type: ignore[no-untyped-def]
+    """Validate a repository (every committed step, or one); see :func:`ucl.validate.validate_repo`."""
+    from ucl.validate import validate_repo
+
+    return validate_repo(path, step, storage_options=storage_options)
+
+
+# zarr-python learns bfloat16/float8 (also declared as entry points, for processes that never import ucl)
+try:
+    _register_zarr_dtypes()
+except ImportError:  # zarr is a dependency; tolerate a broken install only for the registration
+    pass

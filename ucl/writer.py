@@ -1,0 +1,147 @@
+"""The reference writer: a step's shards, then its metadata, then (last, atomically) its commit record.
+
+This is the synchronous, pure-Python path behind :func:`ucl.save`; the engine (ucl.engine) uses the same
+:class:`StepWriter` protocol with its own byte movers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ucl import dtypes, metadata, names
+from ucl.errors import InvalidArgumentError, StepExistsError, StepNotCommittedError, CheckpointNotFoundError
+from ucl.metadata import ArrayMeta, CommitRecord, StepMeta
+from ucl.repo import Repository, check_step, commit_key, step_prefix
+from ucl.shard import choose_inner_chunk, encode_shard
+from ucl.storage import Store
+
+FileEntry = tuple[int, int]  # (size, crc32c)
+
+
+def array_for(name: str, t: torch.Tensor, chunk_shape: tuple[int, ...] | None = None,
+              compression: dict[str, Any] | None = None) -> ArrayMeta:
+    """The stored-array metadata for a tensor written whole by one writer (or with a given block)."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgumentError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor", tensor=name)
+    dtype = dtypes.from_torch(t.dtype)
+    shape = tuple(t.shape)
+    block = tuple(max(1, s) for s in (chunk_shape or shape))
+    inner = choose_inner_chunk(block, dtypes.itemsize(dtype))
+    return ArrayMeta(name=names.check_name(name), shape=shape, dtype=dtype, chunk_shape=block,
+                     inner_chunk_shape=inner, compression=compression)
+
+
+def shard_block(meta: ArrayMeta, coords: tuple[int, ...], t: torch.Tensor) -> torch.Tensor:
+    """The part of a whole (logical) tensor that shard ``coords`` holds, clipped to the array."""
+    idx = tuple(slice(c * s, min((c + 1) * s, n)) for c, s, n in zip(coords, meta.chunk_shape, meta.shape, strict=True))
+    return t[idx]
+
+
+def all_shards(meta: ArrayMeta) -> list[tuple[int, ...]]:
+    import itertools
+
+    return list(itertools.product(*(range(g) for g in meta.grid)))
+
+
+class StepWriter:
+    """Writes one step of a repository.
+
+    Call sequence (who calls each):
+
+    1. ``begin()``: the coordinator, before any rank writes. Refuses a committed step; removes the files
+       of an earlier attempt that never committed.
+    2. ``write_shard(meta, coords, block)``: every rank, for each shard it owns. Returns the file's
+       entry (relative path, size, crc32c); the file is durable when it returns.
+    3. ``commit(meta, files)``: the coordinator, once every rank's shards are durable, with the union of
+       their entries: writes the array and step documents, makes directories durable, then writes the
+       commit record atomically. The step exists from that moment, and not before.
+    """
+
+    def __init__(self, repo: Repository, step: int) -> None:
+        self.repo = repo
+        self.store: Store = repo.store
+        self.step = check_step(step)
+        self.prefix = step_prefix(self.step)
+
+    def begin(self) -> None:
+        try:
+            self.repo.commit_record(self.step)
+        except StepNotCommittedError:
+            self.store.delete_prefix(self.prefix)
+        except CheckpointNotFoundError:
+            pass
+        else:
+            raise StepExistsError(f"step {self.step} is already committed in {self.repo.url}; committed steps "
+                                  "never change", file=commit_key(self.step))
+
+    def write_shard(self, meta: ArrayMeta, coords: tuple[int, ...], block: torch.Tensor) -> tuple[str, FileEntry]:
+        rel = meta.shard_key(coords)
+        size, crc = self.store.write(f"{self.prefix}/{rel}", encode_shard(meta, coords, block))
+        return rel, (size, crc)
+
+    def commit(self, meta: StepMeta, files: Mapping[str, FileEntry]) -> CommitRecord:
+        entries = dict(files)
+        doc = meta.to_dict()
+        for rel, node in doc["consolidated_metadata"]["metadata"].items():
+            entries[f"{rel}/zarr.json"] = self.store.write(f"{self.prefix}/{rel}/zarr.json", [metadata.dumps(node)])
+        entries["zarr.json"] = self.store.write(f"{self.prefix}/zarr.json", [metadata.dumps(doc)])
+        if self.store.is_local:
+            dirs = {os.path.dirname(f"{self.prefix}/{rel}") for rel in entries}
+            for d in sorted(dirs, key=len, reverse=True):
+                self.store.sync_dir(d)
+            self.store.sync_dir("steps")
+        record = CommitRecord(step=self.step, kind=meta.kind, parent=meta.parent, files=entries)
+        self.store.write_atomic(commit_key(self.step), record.to_bytes())
+        return record
+
+
+def save(state: Mapping[str, Any], path: str | os.PathLike[str] | Store, step: int, *,
+         storage_options: dict[str, Any] | None = None, compression: str | None = None) -> CommitRecord:
+    """Write ``state`` as a committed full step (the synchronous reference writer).
+
+    Parameters
+    ----------
+    state
+        A state dict: tensors, possibly nested in dicts and lists (model and optimizer state together),
+        with JSON-able leaves (numbers, strings) kept in the step's structure tree.
+    path
+        A local directory or an fsspec URL (``file://``, ``memory://``, ``s3://``); created if needed.
+    step
+        The step number; a committed step is never overwritten.
+    storage_options
+        Passed to fsspec for URLs.
+    compression
+        ``None`` (default: raw bytes + crc32c, fastest) or ``"zstd"``.
+
+    Returns
+    -------
+    CommitRecord
+        The record of the committed step.
+
+    Raises
+    ------
+    StepExistsError
+        When ``step`` is already committed.
+    InvalidArgumentError, InvalidNameError, UnsupportedDTypeError
+        When the state holds something ucl cannot store; nothing is written then.
+    """
+    tensors, tree = names.flatten(state)
+    comp = {"name": "zstd", "configuration": {"level": 1, "checksum": False}} if compression == "zstd" else None
+    if compression not in (None, "zstd"):
+        raise InvalidArgumentError(f"compression must be None or 'zstd', got {compression!r}")
+    arrays = {n: array_for(n, t, compression=comp) for n, t in tensors.items()}  # all checks before any write
+    repo = Repository.open(path, storage_options, create=True)
+    w = StepWriter(repo, step)
+    w.begin()
+    files: dict[str, FileEntry] = {}
+    for name, t in tensors.items():
+        meta = arrays[name]
+        cpu = t.detach().to("cpu")
+        for coords in all_shards(meta):
+            rel, entry = w.write_shard(meta, coords, shard_block(meta, coords, cpu))
+            files[rel] = entry
+    return w.commit(StepMeta(step=step, kind="full", tree=tree, arrays=arrays), files)
