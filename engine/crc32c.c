@@ -1,11 +1,13 @@
 /* CRC-32C: SSE4.2 instruction when present (chosen once at run time), slicing-by-8 table otherwise. */
 #include "crc32c.h"
+#include <pthread.h>
 #include <string.h>
 
 #define POLY 0x82F63B78u
 
 static uint32_t table[8][256];
-static int hw = -1;
+static int hw;
+static pthread_once_t once = PTHREAD_ONCE_INIT; /* the engine's threads may be the first callers */
 
 static void init_table(void) {
     for (uint32_t i = 0; i < 256; i++) {
@@ -53,8 +55,38 @@ __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const uns
 }
 #endif
 
+/* GF(2) polynomial arithmetic modulo POLY, bit-reflected (zlib's crc32_combine, for CRC-32C). */
+static uint32_t x2n_table[32]; /* x^(2^n) mod POLY */
+
+static uint32_t multmodp(uint32_t a, uint32_t b) {
+    uint32_t m = 1u << 31, p = 0;
+    for (;;) {
+        if (a & m) {
+            p ^= b;
+            if ((a & (m - 1)) == 0) break;
+        }
+        m >>= 1;
+        b = b & 1 ? (b >> 1) ^ POLY : b >> 1;
+    }
+    return p;
+}
+
+/* x^(n * 2^k) mod POLY */
+static uint32_t x2nmodp(uint64_t n, unsigned k) {
+    uint32_t p = 1u << 31; /* x^0 */
+    while (n) {
+        if (n & 1) p = multmodp(x2n_table[k & 31], p);
+        n >>= 1;
+        k++;
+    }
+    return p;
+}
+
 static void init(void) {
     init_table();
+    uint32_t p = 1u << 30; /* x^1 */
+    x2n_table[0] = p;
+    for (int n = 1; n < 32; n++) x2n_table[n] = p = multmodp(p, p);
 #if defined(__x86_64__)
     __builtin_cpu_init();
     hw = __builtin_cpu_supports("sse4.2") ? 1 : 0;
@@ -64,15 +96,20 @@ static void init(void) {
 }
 
 int ucl_crc32c_hw(void) {
-    if (hw < 0) init();
+    pthread_once(&once, init);
     return hw;
 }
 
 uint32_t ucl_crc32c(uint32_t crc, const void *buf, size_t n) {
-    if (hw < 0) init();
+    pthread_once(&once, init);
     crc = ~crc;
 #if defined(__x86_64__)
     if (hw) return ~crc_hw(crc, (const unsigned char *)buf, n);
 #endif
     return ~crc_sw(crc, (const unsigned char *)buf, n);
+}
+
+uint32_t ucl_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2) {
+    pthread_once(&once, init);
+    return multmodp(x2nmodp(len2, 3), crc1) ^ crc2;
 }

@@ -2,7 +2,9 @@
    Docstrings, argument checks and error mapping live in the Python wrappers (ucl/_native.py). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include "crc32c.h"
+#include "writer.h"
 
 /* crc32c(buffer, value=0) -> int */
 static PyObject *py_crc32c(PyObject *self, PyObject *args) {
@@ -23,12 +25,274 @@ static PyObject *py_crc32c(PyObject *self, PyObject *args) {
 
 static PyObject *py_crc32c_hw(PyObject *self, PyObject *noargs) { return PyBool_FromLong(ucl_crc32c_hw()); }
 
-static PyMethodDef methods[] = {
-    {"crc32c", py_crc32c, METH_VARARGS, NULL},
-    {"crc32c_hw", py_crc32c_hw, METH_NOARGS, NULL},
+/* ---- Pool: the write engine ------------------------------------------------------------------
+   The buffers of a job are acquired at submit and released when the job is reaped, with the GIL
+   held, exactly once (nviews drops to 0). Job bookkeeping here is guarded by the GIL alone. */
+typedef struct pyjob {
+    struct pyjob *next;
+    long long id;
+    ucl_job *job;
+    Py_buffer *views;
+    Py_ssize_t nviews;
+    int claimed; /* a wait() has it, with the GIL released */
+} pyjob;
+
+typedef struct {
+    PyObject_HEAD
+    ucl_pool *pool;
+    pyjob *jobs;
+    long long next_id;
+} PoolObject;
+
+static void release_views(pyjob *pj) {
+    for (Py_ssize_t i = 0; i < pj->nviews; i++) PyBuffer_Release(&pj->views[i]);
+    pj->nviews = 0;
+}
+
+static void drop_job(PoolObject *self, pyjob *pj) {
+    pyjob **link = &self->jobs;
+    while (*link != pj) link = &(*link)->next;
+    *link = pj->next;
+    release_views(pj);
+    PyMem_Free(pj->views);
+    ucl_job_free(pj->job);
+    PyMem_Free(pj);
+}
+
+/* An errno from the engine, outside any job. */
+static PyObject *raise_errno(int err) {
+    errno = err;
+    return PyErr_SetFromErrno(PyExc_OSError);
+}
+
+static int started(PoolObject *self) {
+    if (!self->pool) PyErr_SetString(PyExc_RuntimeError, "Pool was not started");
+    return self->pool != NULL;
+}
+
+static int pool_init(PoolObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"threads", "direct", "segment", NULL};
+    int threads, direct;
+    Py_ssize_t segment;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "ipn", kwlist, &threads, &direct, &segment)) return -1;
+    if (self->pool) {
+        PyErr_SetString(PyExc_RuntimeError, "Pool already started");
+        return -1;
+    }
+    ucl_pool *pool;
+    Py_BEGIN_ALLOW_THREADS
+    pool = ucl_pool_start(threads, direct, (size_t)segment);
+    Py_END_ALLOW_THREADS
+    if (!pool) {
+        raise_errno(errno);
+        return -1;
+    }
+    self->pool = pool;
+    self->next_id = 1;
+    return 0;
+}
+
+/* submit(path: bytes, buffers: sequence) -> job id */
+static PyObject *pool_submit(PoolObject *self, PyObject *args) {
+    if (!started(self)) return NULL;
+    const char *path;
+    PyObject *buffers;
+    if (!PyArg_ParseTuple(args, "yO", &path, &buffers)) return NULL;
+    PyObject *seq = PySequence_Fast(buffers, "buffers must be a sequence");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    pyjob *pj = PyMem_Calloc(1, sizeof *pj);
+    Py_buffer *views = PyMem_Calloc(n ? (size_t)n : 1, sizeof *views);
+    ucl_job *job = ucl_job_new(path, (size_t)n);
+    if (!pj || !views || !job) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    pj->views = views;
+    pj->job = job;
+    ucl_span *spans = ucl_job_spans(job);
+    for (; pj->nviews < n; pj->nviews++) {
+        Py_buffer *v = &views[pj->nviews];
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, pj->nviews), v, PyBUF_SIMPLE)) goto fail;
+        spans[pj->nviews] = (ucl_span){v->buf, (size_t)v->len};
+    }
+    int err = ucl_pool_submit(self->pool, job);
+    if (err) {
+        raise_errno(err);
+        goto fail;
+    }
+    Py_DECREF(seq);
+    pj->id = self->next_id++;
+    pj->next = self->jobs;
+    self->jobs = pj;
+    return PyLong_FromLongLong(pj->id);
+fail:
+    if (pj) release_views(pj);
+    PyMem_Free(views);
+    ucl_job_free(job);
+    PyMem_Free(pj);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+static pyjob *find_job(PoolObject *self, long long id) {
+    for (pyjob *pj = self->jobs; pj; pj = pj->next)
+        if (pj->id == id) return pj;
+    return NULL;
+}
+
+/* wait(job, timeout: float, < 0 forever) -> None on timeout, else
+   (errno, op, offset, nbytes, crc, direct, path); the job is reaped. */
+static PyObject *pool_wait(PoolObject *self, PyObject *args) {
+    if (!started(self)) return NULL;
+    long long id;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "Ld", &id, &timeout)) return NULL;
+    pyjob *pj = find_job(self, id);
+    if (!pj || pj->claimed) {
+        PyErr_Format(PyExc_KeyError, "no job %lld to wait for", id);
+        return NULL;
+    }
+    ucl_result res;
+    int rc;
+    pj->claimed = 1;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ucl_job_wait(self->pool, pj->job, timeout, &res);
+    Py_END_ALLOW_THREADS
+    pj->claimed = 0;
+    if (rc) Py_RETURN_NONE;
+    PyObject *out = Py_BuildValue("isKKkiy", res.err, res.err ? res.op : "", (unsigned long long)res.offset,
+                                  (unsigned long long)res.nbytes, (unsigned long)res.crc, res.direct,
+                                  ucl_job_path(pj->job));
+    drop_job(self, pj);
+    return out;
+}
+
+/* jobs() -> list of the ids not yet reaped, oldest first */
+static PyObject *pool_jobs(PoolObject *self, PyObject *noargs) {
+    if (!started(self)) return NULL;
+    PyObject *out = PyList_New(0);
+    for (pyjob *pj = self->jobs; out && pj; pj = pj->next) {
+        PyObject *id = PyLong_FromLongLong(pj->id);
+        if (!id || PyList_Insert(out, 0, id)) Py_CLEAR(out);
+        Py_XDECREF(id);
+    }
+    return out;
+}
+
+/* Releases the buffers of every finished job; their results stay for wait(). */
+static void release_done(PoolObject *self) {
+    for (pyjob *pj = self->jobs; pj; pj = pj->next)
+        if (pj->nviews && ucl_job_done(self->pool, pj->job)) release_views(pj);
+}
+
+/* close(timeout: float, < 0 forever) -> True once every thread is joined, False on timeout */
+static PyObject *pool_close(PoolObject *self, PyObject *args) {
+    if (!started(self)) return NULL;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "d", &timeout)) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ucl_pool_close(self->pool, timeout);
+    Py_END_ALLOW_THREADS
+    release_done(self);
+    return PyBool_FromLong(rc == 0);
+}
+
+static void pool_dealloc(PoolObject *self) {
+    if (self->pool) {
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = ucl_pool_close(self->pool, 10.0); /* a backstop: FileWriter.close() comes first */
+        Py_END_ALLOW_THREADS
+        if (rc == 0) {
+            while (self->jobs) drop_job(self, self->jobs);
+            ucl_pool_free(self->pool);
+        } else {
+            /* A thread is still in a system call: leak the pool, and the buffers it may still read. */
+            release_done(self);
+        }
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef pool_methods[] = {
+    {"submit", (PyCFunction)pool_submit, METH_VARARGS, NULL},
+    {"wait", (PyCFunction)pool_wait, METH_VARARGS, NULL},
+    {"jobs", (PyCFunction)pool_jobs, METH_NOARGS, NULL},
+    {"close", (PyCFunction)pool_close, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "ucl._engine", NULL, -1, methods};
+static PyTypeObject PoolType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "ucl._engine.Pool",
+    .tp_basicsize = sizeof(PoolObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)pool_init,
+    .tp_dealloc = (destructor)pool_dealloc,
+    .tp_methods = pool_methods,
+};
 
-PyMODINIT_FUNC PyInit__engine(void) { return PyModule_Create(&moduledef); }
+/* ---- functions ------------------------------------------------------------------------------ */
+/* fsync_dir(path: bytes) -> errno (0: done) */
+static PyObject *py_fsync_dir(PyObject *self, PyObject *args) {
+    const char *path;
+    if (!PyArg_ParseTuple(args, "y", &path)) return NULL;
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = ucl_fsync_dir(path);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(err);
+}
+
+/* inject_fault(kind: int, nth: int, errno: int) */
+static PyObject *py_inject_fault(PyObject *self, PyObject *args) {
+    int kind, err;
+    unsigned int nth;
+    if (!PyArg_ParseTuple(args, "iIi", &kind, &nth, &err)) return NULL;
+    ucl_fault_set(kind, nth, err);
+    Py_RETURN_NONE;
+}
+
+/* device_write(path: bytes, nbytes, block, inflight) -> (errno, seconds) */
+static PyObject *py_device_write(PyObject *self, PyObject *args) {
+    const char *path;
+    unsigned long long nbytes;
+    Py_ssize_t block;
+    int inflight, err;
+    double seconds = 0;
+    if (!PyArg_ParseTuple(args, "yKni", &path, &nbytes, &block, &inflight)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    err = ucl_device_write(path, nbytes, (size_t)block, inflight, &seconds);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("id", err, seconds);
+}
+
+static PyMethodDef methods[] = {
+    {"crc32c", py_crc32c, METH_VARARGS, NULL},
+    {"crc32c_hw", py_crc32c_hw, METH_NOARGS, NULL},
+    {"fsync_dir", py_fsync_dir, METH_VARARGS, NULL},
+    {"inject_fault", py_inject_fault, METH_VARARGS, NULL},
+    {"device_write", py_device_write, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, .m_name = "ucl._engine", .m_size = -1, .m_methods = methods};
+
+PyMODINIT_FUNC PyInit__engine(void) {
+    if (PyType_Ready(&PoolType)) return NULL;
+    PyObject *m = PyModule_Create(&moduledef);
+    if (!m) return NULL;
+    if (PyModule_AddObjectRef(m, "Pool", (PyObject *)&PoolType) ||
+        PyModule_AddIntConstant(m, "FAULT_NONE", UCL_FAULT_NONE) ||
+        PyModule_AddIntConstant(m, "FAULT_PWRITE", UCL_FAULT_PWRITE) ||
+        PyModule_AddIntConstant(m, "FAULT_SHORT_WRITE", UCL_FAULT_SHORT_WRITE) ||
+        PyModule_AddIntConstant(m, "FAULT_FDATASYNC", UCL_FAULT_FDATASYNC) ||
+        PyModule_AddIntConstant(m, "FAULT_NO_DIRECT", UCL_FAULT_NO_DIRECT)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
