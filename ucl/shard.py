@@ -174,10 +174,11 @@ def parse_index(meta: ArrayMeta, raw: bytes, file_size: int, where: str) -> np.n
     """Check and return a shard's index as an (n_inner, 2) uint64 array of (offset, nbytes)."""
     n = meta.n_inner
     if len(raw) != index_nbytes(n):
-        raise ShardSizeError(f"{where}: shard index is {len(raw)} bytes, expected {index_nbytes(n)}", tensor=meta.name, file=where)
+        raise ShardSizeError(f"{where}: shard of tensor {meta.name!r} is truncated (read {len(raw)} of its "
+                             f"{index_nbytes(n)}-byte index)", tensor=meta.name, file=where)
     body, crc = raw[:-4], _CRC.unpack(raw[-4:])[0]
     if _native.crc32c(body) != crc:
-        raise ChecksumError(f"{where}: shard index fails its crc32c", tensor=meta.name, file=where)
+        raise ChecksumError(f"{where}: shard index of tensor {meta.name!r} fails its crc32c", tensor=meta.name, file=where)
     index = np.frombuffer(body, dtype="<u8").reshape(n, 2)
     data_end = file_size - index_nbytes(n)
     present = index[:, 0] != EMPTY
@@ -199,7 +200,7 @@ def parse_index(meta: ArrayMeta, raw: bytes, file_size: int, where: str) -> np.n
 
 def check_chunk(meta: ArrayMeta, data: memoryview, crc: int, where: str, coords: tuple[int, ...]) -> None:
     if _native.crc32c(data) != crc:
-        raise ChecksumError(f"{where}: inner chunk {list(coords)} fails its crc32c", tensor=meta.name, file=where)
+        raise ChecksumError(f"{where}: inner chunk {list(coords)} of tensor {meta.name!r} fails its crc32c", tensor=meta.name, file=where)
 
 
 def decode_chunk(meta: ArrayMeta, encoded: memoryview, where: str, coords: tuple[int, ...]) -> memoryview:

@@ -1,0 +1,5 @@
+import sys
+
+from ucl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,239 @@
+"""The validator: a straight sequence of checks over a repository, each failure reported as a Problem.
+
+Order (spec/core.md §9): repository document -> commit records -> step documents -> array documents
+-> for every shard: listed, present, size, whole-file crc32c, index (crc, bounds, overlaps), every
+in-bounds inner chunk present with a matching crc32c -> delta chains (spec/delta.md). Problems name
+the step, tensor and file; a failing tensor does not stop the others from being checked.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ucl import _native, metadata
+from ucl.errors import (
+    ChecksumError,
+    CorruptShardIndexError,
+    InconsistentMetadataError,
+    MissingShardError,
+    ShardSizeError,
+    UCLError,
+)
+from ucl.metadata import ArrayMeta, CommitRecord, StepMeta
+from ucl.repo import Repository, step_prefix
+from ucl.shard import EMPTY, index_nbytes, inner_chunks, parse_index
+from ucl.storage import LocalStore
+from ucl.writer import all_shards
+
+_CRC = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class Problem:
+    code: str
+    message: str
+    step: int | None = None
+    tensor: str | None = None
+    file: str | None = None
+
+
+@dataclass
+class Report:
+    """What :func:`validate_repo` found. ``ok`` is True when there are no problems."""
+
+    path: str
+    steps: list[int] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+    files_checked: int = 0
+    bytes_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "valid": self.ok, "steps": self.steps, "files_checked": self.files_checked,
+                "bytes_checked": self.bytes_checked, "problems": [asdict(p) for p in self.problems]}
+
+    def add(self, e: UCLError, step: int | None = None) -> None:
+        self.problems.append(Problem(e.code, e.message, step, e.tensor, e.file))
+
+
+def validate_repo(path: Any, step: int | None = None, *, storage_options: dict[str, Any] | None = None,
+                  checksums: bool = True) -> Report:
+    """Check a repository (every committed step, or only ``step``) against the spec.
+
+    Parameters
+    ----------
+    path
+        Local directory or fsspec URL.
+    step
+        Only this step (plus the steps its delta chain needs).
+    checksums
+        Verify every file's and every inner chunk's crc32c (reads all data); False checks structure,
+        presence and sizes only.
+
+    Returns
+    -------
+    Report
+        ``report.ok`` is the verdict; ``report.problems`` lists each problem with its stable code.
+    """
+    report = Report(str(path))
+    try:
+        repo = Repository.open(path, storage_options)
+    except UCLError as e:
+        report.add(e)
+        return report
+    steps = repo.steps() if step is None else [step]
+    for s in steps:
+        report.steps.append(s)
+        _validate_step(repo, s, report, checksums)
+    return report
+
+
+def _validate_step(repo: Repository, step: int, report: Report, checksums: bool) -> None:
+    try:
+        record = repo.commit_record(step)
+        meta = repo.step_meta(step, record)
+    except UCLError as e:
+        report.add(e, step)
+        return
+    expected_files = {"zarr.json"}
+    for name, arr in meta.arrays.items():
+        expected_files.add(f"{arr.key}/zarr.json")
+        try:
+            _check_array_doc(repo, step, record, meta, arr)
+        except UCLError as e:
+            report.add(e, step)
+            continue
+        for coords in all_shards(arr):
+            rel = arr.shard_key(coords)
+            expected_files.add(rel)
+            if rel not in record.files:
+                if arr.delta is None:
+                    report.add(MissingShardError(f"shard {rel} of tensor {name!r} is not in the commit record of step "
+                                                 f"{step}", tensor=name, file=f"{step_prefix(step)}/{rel}"), step)
+                continue
+            try:
+                _check_shard(repo, step, record, arr, coords, report, checksums)
+            except UCLError as e:
+                if e.tensor is None:
+                    e.tensor = name
+                report.add(e, step)
+    for p in sorted(set(record.files) - expected_files - _group_docs(meta)):
+        report.add(InconsistentMetadataError(f"the commit record of step {step} lists {p}, which no array of the "
+                                             "step owns", file=f"{step_prefix(step)}/{p}"), step)
+    if meta.kind == "delta":
+        _check_chain(repo, step, meta, report)
+
+
+def _group_docs(meta: StepMeta) -> set[str]:
+    out = set()
+    for arr in meta.arrays.values():
+        parts = arr.key.split("/")
+        for i in range(1, len(parts)):
+            out.add("/".join(parts[:i]) + "/zarr.json")
+    return out
+
+
+def _check_array_doc(repo: Repository, step: int, record: CommitRecord, meta: StepMeta, arr: ArrayMeta) -> None:
+    rel = f"{arr.key}/zarr.json"
+    raw = repo.read_verified(step, rel, record)
+    what = f"{repo.url}/{step_prefix(step)}/{rel}"
+    doc = metadata.loads(raw, what)
+    if ArrayMeta.from_dict(doc, what) != arr:
+        raise InconsistentMetadataError(f"{what} differs from the step's consolidated metadata", tensor=arr.name,
+                                        file=what)
+
+
+def _check_shard(repo: Repository, step: int, record: CommitRecord, arr: ArrayMeta, coords: tuple[int, ...],
+                 report: Report, checksums: bool) -> None:
+    rel = arr.shard_key(coords)
+    key = f"{step_prefix(step)}/{rel}"
+    size, crc = record.files[rel]
+    actual = repo.store.size(key)
+    if actual is None:
+        raise MissingShardError(f"shard {key} of tensor {arr.name!r} is missing", tensor=arr.name, file=key)
+    if actual != size:
+        raise ShardSizeError(f"shard {key} of tensor {arr.name!r} is {actual} bytes, the commit record says {size}",
+                             tensor=arr.name, file=key)
+    n = index_nbytes(arr.n_inner)
+    if size < n:
+        raise ShardSizeError(f"shard {key}: {size} bytes cannot hold its {n}-byte index", tensor=arr.name, file=key)
+    report.files_checked += 1
+    if not checksums:
+        index = parse_index(arr, repo.store.read_range(key, size - n, n), size, key)
+        _check_presence(arr, coords, index, key)
+        return
+    with _bytes_of(repo, key, size) as data:
+        if _native.crc32c(data) != crc:
+            raise ChecksumError(f"shard {key} of tensor {arr.name!r} fails its crc32c", tensor=arr.name, file=key)
+        index = parse_index(arr, bytes(data[size - n :]), size, key)
+        _check_presence(arr, coords, index, key)
+        for off, nb in index:
+            if off == EMPTY:
+                continue
+            off, nb = int(off), int(nb)
+            if _native.crc32c(data[off : off + nb - 4]) != _CRC.unpack(data[off + nb - 4 : off + nb])[0]:
+                raise ChecksumError(f"shard {key}: an inner chunk at offset {off} of tensor {arr.name!r} fails its crc32c",
+                                    tensor=arr.name, file=key)
+        report.bytes_checked += size
+
+
+def _check_presence(arr: ArrayMeta, coords: tuple[int, ...], index: Any, key: str) -> None:
+    if arr.delta is not None:
+        return  # absent inner chunks of a delta array mean "unchanged" (spec/delta.md)
+    for c in inner_chunks(arr, coords):
+        present = int(index[c.ordinal][0]) != EMPTY
+        if present == c.empty:
+            what = "absent" if not present else "present though outside the array"
+            raise CorruptShardIndexError(f"shard {key}: inner chunk {list(c.coords)} of tensor {arr.name!r} is {what}",
+                                         tensor=arr.name, file=key)
+
+
+class _bytes_of:
+    """The whole file: mmap'd when local (no copy), read otherwise."""
+
+    def __init__(self, repo: Repository, key: str, size: int) -> None:
+        self.repo, self.key, self.size = repo, key, size
+        self._mm: mmap.mmap | None = None
+
+    def __enter__(self) -> memoryview:
+        store = self.repo.store
+        if isinstance(store, LocalStore) and self.size > 0:
+            fd = os.open(store._checked(self.key), os.O_RDONLY)
+            try:
+                self._mm = mmap.mmap(fd, self.size, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            self._view = memoryview(self._mm)
+            return self._view
+        return memoryview(store.read(self.key))
+
+    def __exit__(self, *exc: object) -> None:
+        if self._mm is not None:
+            self._view.release()
+            self._mm.close()
+
+
+def _check_chain(repo: Repository, step: int, meta: StepMeta, report: Report) -> None:
+    """Delta steps: the parent chain must resolve (details in spec/delta.md, ucl.delta)."""
+    try:
+        from ucl.delta import validate_chain  # type: ignore[attr-defined]
+    except ImportError:
+        validate_chain = None
+    if validate_chain is not None:
+        for e in validate_chain(repo, step, meta):
+            report.add(e, step)
+        return
+    from ucl.errors import DeltaChainError
+
+    try:
+        repo.commit_record(meta.parent)  # type: ignore[arg-type]
+    except UCLError as e:
+        report.add(DeltaChainError(f"step {step} is a delta of step {meta.parent}, which is not readable: {e.message}",
+                                   file=e.file), step)
