@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 
 def validate(path, step=None, *, storage_options=None):  # type: ignore[no-untyped-def]
     """Validate a repository (every committed step, or one); see :func:`ucl.validate.validate_repo`."""
-    from ucl.validate import validate_repo
+    from ucl.validator import validate_repo
 
     return validate_repo(path, step, storage_options=storage_options)
 
