@@ -30,12 +30,13 @@ def index_nbytes(n_inner: int) -> int:
     return 16 * n_inner + 4
 
 
-def choose_inner_chunk(block: tuple[int, ...], itemsize: int, target: int = INNER_TARGET_BYTES) -> tuple[int, ...]:
+def choose_inner_chunk(block: tuple[int, ...], itemsize: int, target: int | None = None) -> tuple[int, ...]:
     """Largest inner chunk <= ``target`` bytes that divides ``block``, splitting leading dimensions first.
 
     Splitting only leading dimensions keeps each inner chunk one contiguous run of the writer's tensor,
     so shards are written and read without copies.
     """
+    target = INNER_TARGET_BYTES if target is None else target
     inner = list(block)
     for d in range(len(inner)):
         rest = math.prod(inner[d + 1 :]) * itemsize
