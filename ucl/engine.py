@@ -1,0 +1,602 @@
+"""The engine API: ``CheckpointManager``, asynchronous saves through double-buffered staging memory.
+
+Data flow of ``mgr.save(step, state)``::
+
+    caller thread:  plan (cached per set of shapes) -> wait for a free staging slot -> copy the tensors
+                    this rank writes into it (GIL released; non-blocking D2H on a side stream for CUDA)
+                    -> hand the slot to the persister -> return a SaveHandle
+    persister:      encode shards from the slot (no copies; crc32c per inner chunk) -> C thread pool
+                    writes them (O_DIRECT, several in flight, fdatasync) -> ranks report their files to
+                    the coordinator (small metadata over a gloo group) -> the coordinator commits
+                    (documents, directory fsyncs, commit record) -> retention -> slot released
+
+Training may change its tensors as soon as ``save`` returns. Two slots: step t is staged while step t-1
+persists; with both busy, ``save`` waits (``when_busy="wait"``) or returns a skipped handle ("skip").
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ucl import names, saveplan
+from ucl.errors import InvalidArgumentError, StepExistsError, UCLError, WriteError, WriterLockedError
+from ucl.metadata import CommitRecord, StepMeta
+from ucl.repo import Repository, check_step, commit_key, step_prefix
+from ucl.shard import encode_shard
+from ucl.writer import StepWriter
+
+ALIGN = 4096
+
+
+# -- handles ---------------------------------------------------------------------------------------
+class SaveHandle:
+    """The future of one ``save``: ``result()`` blocks until the step is committed and durable."""
+
+    def __init__(self, step: int, skipped: bool = False) -> None:
+        self.step = step
+        self.skipped = skipped
+        self._future: Future[CommitRecord | None] = Future()
+        self.staged_s = 0.0
+        if skipped:
+            self._future.set_result(None)
+
+    def result(self, timeout: float | None = None) -> CommitRecord | None:
+        """The commit record (on the coordinator; None on other ranks and for skipped saves).
+
+        Raises the save's error (a UCLError, e.g. WriteError naming the file) if it failed.
+        """
+        try:
+            return self._future.result(timeout)
+        except FutureTimeout:
+            raise TimeoutError(f"step {self.step} is not committed after {timeout} s") from None
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._future.exception(timeout)
+
+    def __repr__(self) -> str:
+        state = "skipped" if self.skipped else "done" if self.done() else "pending"
+        return f"SaveHandle(step={self.step}, {state})"
+
+
+# -- staging memory --------------------------------------------------------------------------------
+class _Slot:
+    """One staging buffer: allocated once (pinned when the state is on CUDA), pre-touched, reused."""
+
+    def __init__(self, nbytes: int, pin: bool) -> None:
+        self.nbytes = nbytes
+        self.arena = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+        self.arena.zero_()  # touch every page now, not during a save (fresh pages are slow here)
+        self.pin = pin
+        self.busy = False
+
+    def view(self, offset: int, t: torch.Tensor) -> torch.Tensor:
+        n = t.numel() * t.element_size()
+        return self.arena[offset : offset + n].view(t.dtype).view(t.shape)
+
+
+@dataclass
+class _Job:
+    step: int
+    plan: saveplan.SavePlan
+    tree: dict[str, Any]
+    staged: dict[str, torch.Tensor]
+    slot: _Slot
+    handle: SaveHandle
+    last_piece: bool = True
+
+
+# -- the manager -----------------------------------------------------------------------------------
+class CheckpointManager:
+    """Write checkpoints through the engine; list, restore and retain them.
+
+    Parameters
+    ----------
+    path
+        Repository directory or fsspec URL (created if needed).
+    keep_last
+        Keep the newest ``keep_last`` committed steps (None keeps all).
+    keep_every
+        Also keep every step divisible by ``keep_every``.
+    when_busy
+        ``"wait"`` (default): ``save`` blocks until a staging slot is free (backpressure).
+        ``"skip"``: ``save`` returns at once with a handle whose ``skipped`` is True.
+    staging_bytes
+        Upper bound on staging memory (both slots together). Default: two copies of what this rank
+        writes. A smaller budget streams the state through the slots: ``save`` then returns once the
+        last piece is staged. Each slot must hold the largest single tensor.
+    writer_threads, direct
+        C write pool size and O_DIRECT choice (see ucl._native.FileWriter).
+    process_group
+        A ``torch.distributed`` group for a distributed save (default: the world when initialised);
+        the manager makes its own gloo group for coordination so it never interleaves with training's
+        collectives.
+    storage_options
+        fsspec options for URLs.
+
+    Call sequence (every rank)::
+
+        with CheckpointManager(path, keep_last=3) as mgr:
+            for step in ...:
+                train_step()
+                mgr.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
+            mgr.wait()                      # optional: close() drains too
+    """
+
+    def __init__(self, path: Any, *, keep_last: int | None = None, keep_every: int | None = None,
+                 when_busy: str = "wait", staging_bytes: int | None = None, writer_threads: int = 4,
+                 direct: bool | None = None, process_group: Any = None, compression: str | None = None,
+                 storage_options: dict[str, Any] | None = None, timeout: float = 600.0) -> None:
+        if when_busy not in ("wait", "skip"):
+            raise InvalidArgumentError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
+        for n, v in (("keep_last", keep_last), ("keep_every", keep_every)):
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise InvalidArgumentError(f"{n} must be a positive int or None, got {v!r}")
+        if compression not in (None, "zstd"):
+            raise InvalidArgumentError(f"compression must be None or 'zstd', got {compression!r}")
+        self.keep_last, self.keep_every, self.when_busy = keep_last, keep_every, when_busy
+        self.staging_bytes = staging_bytes
+        self.timeout = timeout
+        self._compression = {"name": "zstd", "configuration": {"level": 1, "checksum": False}} if compression else None
+        self._dist = _Dist.make(process_group, timeout)
+        self.rank, self.world = self._dist.rank, self._dist.world
+        self.repo = self._open_repo(path, storage_options)
+        self._lock = _WriterLock.acquire(self.repo) if self.rank == 0 else None
+        self._writer_threads, self._direct = writer_threads, direct
+        self._file_writer: Any = None
+        self._slots: list[_Slot] = []
+        self._slot_free = threading.Condition()
+        self._plans: dict[Any, saveplan.SavePlan] = {}
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._pending: list[SaveHandle] = []
+        self._closed = False
+        self._cuda_stream: Any = None
+        self._thread = threading.Thread(target=self._persist_loop, name="ucl-persist", daemon=True)
+        self._thread.start()
+
+    def _open_repo(self, path: Any, storage_options: dict[str, Any] | None) -> Repository:
+        if self.rank == 0:
+            repo = Repository.open(path, storage_options, create=True)
+        self._dist.barrier()
+        if self.rank != 0:
+            repo = Repository.open(path, storage_options)
+        return repo
+
+    # -- saving ------------------------------------------------------------------------------------
+    def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
+        """Stage ``state`` and return a handle; the step is written and committed in the background.
+
+        Raises
+        ------
+        InvalidArgumentError
+            For a state ucl cannot store (checked before anything is staged), a closed manager, or a
+            step not after the previous one.
+        """
+        if self._closed:
+            raise InvalidArgumentError("CheckpointManager is closed")
+        t0 = time.perf_counter()
+        check_step(step)
+        if step in self._committed_or_pending(step):
+            raise StepExistsError(f"step {step} is already committed or being saved in {self.repo.url}; committed "
+                                  "steps never change", file=commit_key(step))
+        tensors, tree = names.flatten(state)
+        plan = self._plan(tensors)
+        handle = SaveHandle(step)
+        pieces = self._pieces(plan, tensors)
+        if self.when_busy == "skip" and not self._free_slot_now(len(pieces)):
+            return SaveHandle(step, skipped=True)
+        self._pending.append(handle)
+        for i, piece in enumerate(pieces):
+            slot = self._acquire_slot(sum(tensors[s].numel() * tensors[s].element_size() for s in piece))
+            staged = self._stage(slot, {s: tensors[s] for s in piece})
+            sub = saveplan.SavePlan(plan.arrays, [w for w in plan.writes if w.source in piece], plan.layout, plan.mesh)
+            self._queue.put(_Job(step, sub, tree, staged, slot, handle, last_piece=i == len(pieces) - 1))
+        handle.staged_s = time.perf_counter() - t0
+        return handle
+
+    def _committed_or_pending(self, step: int) -> set[int]:
+        out = {h.step for h in self._pending if not h.done()}
+        if self.repo.store.exists(commit_key(step)):
+            out.add(step)
+        return out
+
+    def _plan(self, tensors: dict[str, torch.Tensor]) -> saveplan.SavePlan:
+        key = tuple((n, tuple(t.shape), t.dtype) for n, t in tensors.items())
+        plan = self._plans.get(key)
+        if plan is None:
+            if self.world == 1:
+                plan = saveplan.single(tensors, self._compression)
+            else:
+                plan = saveplan.replicated(tensors, self.rank, self.world, self._compression)
+            self._plans = {key: plan}  # one cached plan: the state's shapes rarely change
+        return plan
+
+    def _pieces(self, plan: saveplan.SavePlan, tensors: dict[str, torch.Tensor]) -> list[list[str]]:
+        sources = [s for s in tensors if s in plan.sources]
+        sizes = {s: _aligned(tensors[s].numel() * tensors[s].element_size()) for s in sources}
+        total = sum(sizes.values())
+        if self.staging_bytes is None:
+            return [sources]
+        slot_bytes = self.staging_bytes // 2
+        if sizes and max(sizes.values()) > slot_bytes:
+            big = max(sizes, key=sizes.__getitem__)
+            raise InvalidArgumentError(f"staging_bytes={self.staging_bytes} gives slots of {slot_bytes} bytes, smaller "
+                                       f"than tensor {big!r} ({sizes[big]} bytes)", tensor=big)
+        if total <= slot_bytes:
+            return [sources]
+        pieces: list[list[str]] = [[]]
+        used = 0
+        for s in sources:
+            if used + sizes[s] > slot_bytes:
+                pieces.append([])
+                used = 0
+            pieces[-1].append(s)
+            used += sizes[s]
+        return pieces
+
+    def _free_slot_now(self, pieces: int) -> bool:
+        with self._slot_free:
+            return pieces == 1 and (len(self._slots) < 2 or any(not s.busy for s in self._slots))
+
+    def _acquire_slot(self, need: int) -> _Slot:
+        need = _aligned(need) + ALIGN * 64
+        if self.staging_bytes is not None:
+            need = max(need, self.staging_bytes // 2)
+        with self._slot_free:
+            while True:
+                free = [s for s in self._slots if not s.busy]
+                fit = [s for s in free if s.nbytes >= need]
+                if fit:
+                    slot = fit[0]
+                    break
+                if len(self._slots) < 2:
+                    slot = _Slot(need, pin=self._pin())
+                    self._slots.append(slot)
+                    break
+                if free:  # the state grew: replace a free slot
+                    self._slots.remove(free[0])
+                    slot = _Slot(need, pin=self._pin())
+                    self._slots.append(slot)
+                    break
+                self._slot_free.wait()
+            slot.busy = True
+            return slot
+
+    def _pin(self) -> bool:
+        return torch.cuda.is_available()
+
+    def _stage(self, slot: _Slot, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        staged: dict[str, torch.Tensor] = {}
+        offset = 0
+        cuda = any(t.is_cuda for t in tensors.values())
+        if cuda and self._cuda_stream is None:
+            self._cuda_stream = torch.cuda.Stream()
+        ctx = torch.cuda.stream(self._cuda_stream) if cuda else _null()
+        if cuda:
+            self._cuda_stream.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), ctx:
+            for name, t in tensors.items():
+                dst = slot.view(offset, t)
+                dst.copy_(t.detach(), non_blocking=t.is_cuda)
+                staged[name] = dst
+                offset += _aligned(t.numel() * t.element_size())
+        if cuda:
+            self._cuda_stream.synchronize()  # training waits only for the device-to-host copy
+        return staged
+
+    # -- persisting (background) -------------------------------------------------------------------
+    def _writer(self) -> Any:
+        if self._file_writer is None and self.repo.store.is_local:
+            from ucl._native import FileWriter
+
+            self._file_writer = FileWriter(threads=self._writer_threads, direct=self._direct)
+        return self._file_writer
+
+    def _persist_loop(self) -> None:
+        collected: dict[int, dict[str, tuple[int, int]]] = {}
+        failed: dict[int, BaseException] = {}
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                if job.step not in failed:
+                    files = self._write_shards(job)
+                    collected.setdefault(job.step, {}).update(files)
+            except BaseException as e:  # noqa: BLE001 - any failure fails this save's handle
+                failed[job.step] = e
+            finally:
+                with self._slot_free:
+                    job.slot.busy = False
+                    self._slot_free.notify_all()
+            if not job.last_piece:
+                continue
+            err = failed.pop(job.step, None)
+            files = collected.pop(job.step, {})
+            try:
+                record = self._commit(job, files, err)
+                job.handle._future.set_result(record)
+            except BaseException as e:  # noqa: BLE001
+                job.handle._future.set_exception(e)
+
+    def _write_shards(self, job: _Job) -> dict[str, tuple[int, int]]:
+        store = self.repo.store
+        prefix = step_prefix(job.step)
+        out: dict[str, tuple[int, int]] = {}
+        fw = self._writer()
+        jobs: list[tuple[str, Any]] = []
+        try:
+            for w in job.plan.writes:
+                block = _block(w, job.staged[w.source])
+                rel = w.array.shard_key(w.coords)
+                buffers = encode_shard(w.array, w.coords, block)
+                if fw is not None:
+                    path = os.path.join(store.root, *f"{prefix}/{rel}".split("/"))  # type: ignore[attr-defined]
+                    jobs.append((rel, (fw.submit(path, buffers), buffers)))
+                else:
+                    out[rel] = store.write(f"{prefix}/{rel}", buffers)
+        finally:
+            first: BaseException | None = None
+            for rel, (jid, _keep_alive) in jobs:
+                try:
+                    out[rel] = fw.wait(jid)
+                except BaseException as e:  # noqa: BLE001 - reap every job before raising
+                    first = first or e
+            if first is not None:
+                raise first
+        return out
+
+    def _commit(self, job: _Job, files: dict[str, tuple[int, int]], err: BaseException | None) -> CommitRecord | None:
+        report = {"rank": self.rank, "files": files, "error": None if err is None else _describe(err)}
+        reports = self._dist.gather(report)
+        verdict: dict[str, Any] = {"ok": True}
+        record = None
+        if self.rank == 0:
+            errors = [r["error"] for r in reports if r["error"]]
+            if errors:
+                verdict = {"ok": False, "error": errors[0]}
+            else:
+                try:
+                    merged: dict[str, tuple[int, int]] = {}
+                    for r in reports:
+                        merged.update({k: tuple(v) for k, v in r["files"].items()})  # type: ignore[misc]
+                    meta = StepMeta(step=job.step, kind="full", tree=job.tree, arrays=job.plan.arrays,
+                                    layout=job.plan.layout, mesh=job.plan.mesh)
+                    record = StepWriter(self.repo, job.step).commit(meta, merged)
+                    self._retain(job.step)
+                except BaseException as e:  # noqa: BLE001
+                    verdict = {"ok": False, "error": _describe(e)}
+                    err = err or e
+        verdict = self._dist.broadcast(verdict)
+        if not verdict["ok"]:
+            if err is not None:
+                raise err
+            raise WriteError(f"step {job.step} was not committed: {verdict['error']}")
+        return record
+
+    # -- retention ---------------------------------------------------------------------------------
+    def _retain(self, newest: int) -> None:
+        """Delete steps outside keep_last/keep_every; never the newest committed step."""
+        if self.keep_last is None:
+            return
+        steps = self.repo.steps()
+        keep = set(steps[-self.keep_last :]) | {newest}
+        if self.keep_every:
+            keep |= {s for s in steps if s % self.keep_every == 0}
+        keep |= _needed_bases(self.repo, keep)
+        for s in steps:
+            if s not in keep and s < newest:
+                self.delete_step(s)
+
+    def delete_step(self, step: int) -> None:
+        """Remove a step: its commit record first (the step disappears atomically), then its files."""
+        self.repo.store.delete(commit_key(step))
+        self.repo.store.delete_prefix(step_prefix(step))
+
+    # -- reading back ------------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        return self.repo.steps()
+
+    def latest_step(self) -> int | None:
+        return self.repo.latest()
+
+    def restore(self, step: int | None = None) -> Any:
+        """The state dict of ``step`` (default: the latest committed), as it was saved."""
+        from ucl.reader import load
+
+        return load(self.repo.store, step)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every save so far is committed; raise the first failure."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        first: BaseException | None = None
+        for h in list(self._pending):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                h.result(left)
+            except TimeoutError:
+                raise
+            except BaseException as e:  # noqa: BLE001
+                first = first or e
+        self._pending = [h for h in self._pending if not h.done()]
+        if first is not None:
+            raise first
+
+    def close(self, timeout: float | None = 60.0) -> None:
+        """Drain pending saves (bounded by ``timeout``), stop the threads, release the lock."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait(timeout)
+        finally:
+            self._queue.put(None)
+            self._thread.join(timeout)
+            if self._file_writer is not None:
+                self._file_writer.close(timeout)
+            if self._lock is not None:
+                self._lock.release()
+            self._dist.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _block(w: saveplan.LocalWrite, staged: torch.Tensor) -> torch.Tensor:
+    if w.box is not None:
+        start, shape = w.box
+        return staged[tuple(slice(a, a + n) for a, n in zip(start, shape, strict=True))]
+    meta = w.array
+    if tuple(staged.shape) == meta.shape:  # a whole logical tensor: take this shard's part
+        idx = tuple(slice(c * s, min((c + 1) * s, n)) for c, s, n in zip(w.coords, meta.chunk_shape, meta.shape, strict=True))
+        return staged[idx]
+    return staged
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, UCLError):
+        return f"[{e.code}] {e.message}"
+    return "".join(traceback.format_exception_only(type(e), e)).strip()
+
+
+def _needed_bases(repo: Repository, keep: set[int]) -> set[int]:
+    """Steps that kept delta steps depend on (their chains), so retention never breaks a chain."""
+    need: set[int] = set()
+    for s in keep:
+        cur = s
+        for _ in range(1024):
+            try:
+                rec = repo.commit_record(cur)
+            except UCLError:
+                break
+            if rec.parent is None:
+                break
+            need.add(rec.parent)
+            cur = rec.parent
+    return need
+
+
+class _WriterLock:
+    """One writer per repository: an flock on <repo>/.ucl-writer.lock (local filesystems).
+
+    Object stores have no flock; there the coordinator relies on the commit protocol (a committed step
+    is never overwritten: ``begin`` refuses it) and on not running two jobs on one prefix.
+    """
+
+    def __init__(self, fd: int | None) -> None:
+        self.fd = fd
+
+    @classmethod
+    def acquire(cls, repo: Repository) -> _WriterLock:
+        if not repo.store.is_local:
+            return cls(None)
+        import fcntl
+
+        path = os.path.join(repo.store.root, ".ucl-writer.lock")  # type: ignore[attr-defined]
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise WriterLockedError(f"another writer holds {path}" + (f" (pid {holder})" if holder else ""),
+                                    file=path) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        return cls(fd)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class _Dist:
+    """Coordination over torch.distributed: a private gloo group, small Python objects only."""
+
+    def __init__(self, group: Any, rank: int, world: int) -> None:
+        self.group, self.rank, self.world = group, rank, world
+
+    @classmethod
+    def make(cls, process_group: Any, timeout: float) -> _Dist:
+        import datetime
+
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or (
+                process_group is None and dist.get_world_size() == 1):
+            return cls(None, 0, 1)
+        ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+        group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+
+    def gather(self, obj: Any) -> list[Any]:
+        if self.group is None:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world if self.rank == 0 else []
+        dist.gather_object(obj, out if self.rank == 0 else None, dst=dist.get_global_rank(self.group, 0),
+                           group=self.group)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        if self.group is None:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
+    def close(self) -> None:
+        if self.group is not None:
+            import torch.distributed as dist
+
+            try:
+                dist.destroy_process_group(self.group)
+            except Exception:  # noqa: BLE001 - the world may already be gone
+                pass
+            self.group = None
+
+
+def state_nbytes(state: Mapping[str, Any]) -> int:
+    tensors, _ = names.flatten(state)
+    return sum(math.prod(t.shape) * t.element_size() for t in tensors.values())
