@@ -10,6 +10,17 @@ setup(
             include_dirs=["engine"],
             extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror=implicit-function-declaration"],
             libraries=["pthread"],
-        )
+        ),
+        # Delta chunk codec (spec/delta.md), a separate module so it builds and tests on its own. Links the
+        # system's libzstd.so.1 (present wherever apt/dpkg is; no zstd.h needed: delta.c declares the few
+        # stable entry points it uses).
+        Extension(
+            "ucl._delta",
+            sources=["engine/delta.c"],
+            include_dirs=["engine"],
+            define_macros=[("UCL_DELTA_PYTHON", "1")],
+            extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror=implicit-function-declaration"],
+            extra_link_args=["-l:libzstd.so.1", "-lm"],
+        ),
     ]
 )
