@@ -253,9 +253,8 @@ class CheckpointManager:
             return pieces == 1 and (len(self._slots) < 2 or any(not s.busy for s in self._slots))
 
     def _acquire_slot(self, need: int) -> _Slot:
-        need = _aligned(need) + ALIGN * 64
-        if self.staging_bytes is not None:
-            need = max(need, self.staging_bytes // 2)
+        # pieces are sized in aligned bytes; with a budget every slot is exactly half of it
+        need = self.staging_bytes // 2 if self.staging_bytes is not None else _aligned(need) + ALIGN * 64
         with self._slot_free:
             while True:
                 free = [s for s in self._slots if not s.busy]

@@ -1,0 +1,47 @@
+"""Bodies of the multi-process tests (run on every rank by ucl.testing.dist)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ucl import _native
+from ucl.engine import CheckpointManager
+
+
+def replicated_state(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {"model": {f"layer{i}.w": torch.randn(64 * (i + 1), 32, generator=g) for i in range(6)},
+            "step": step}
+
+
+def save_replicated(rank: int, world: int, path: str, steps: int) -> dict[str, Any]:
+    written: dict[int, list[str]] = {}
+    with CheckpointManager(path) as mgr:
+        for step in range(steps):
+            mgr.save(step, replicated_state(step))
+            written[step] = sorted({w.array.name for w in mgr._plans[next(iter(mgr._plans))].writes})
+        mgr.wait()
+    return {"rank": rank, "writes": written[0]}
+
+
+def save_with_failing_rank(rank: int, world: int, path: str, bad_rank: int) -> dict[str, Any]:
+    with CheckpointManager(path) as mgr:
+        mgr.save(0, replicated_state(0)).result()
+        if rank == bad_rank:
+            _native.inject_fault("pwrite", nth=1, errno=28)  # ENOSPC on this rank only
+        h = mgr.save(1, replicated_state(1))
+        try:
+            h.result()
+            outcome = "committed"
+        except Exception as e:  # noqa: BLE001
+            outcome = f"{type(e).__name__}: {e}"
+        finally:
+            _native.inject_fault(None)
+        try:
+            mgr.wait()
+        except Exception:  # noqa: BLE001 - already reported through the handle
+            pass
+        latest = mgr.latest_step()
+    return {"rank": rank, "outcome": outcome, "latest": latest}

@@ -1,0 +1,41 @@
+"""Distributed save on real processes (gloo on localhost)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ucl
+from ucl.testing import dist
+
+from .dist_cases import replicated_state
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_replicated_state_is_written_once_balanced(tmp_path, world) -> None:
+    results = dist.run(world, "tests.engine.dist_cases:save_replicated", {"path": str(tmp_path), "steps": 2})
+    owners = [set(r["writes"]) for r in results]
+    every = set().union(*owners)
+    assert sum(len(o) for o in owners) == len(every) == 6  # each tensor written by exactly one rank
+    assert all(owners)  # every rank takes a share
+    sizes = [sum(replicated_state(0)["model"][n.split("/")[1]].numel() for n in o) for o in owners]
+    assert max(sizes) <= 2 * min(sizes) + 64 * 6 * 32
+    assert ucl.Repository.open(tmp_path).steps() == [0, 1]
+    for step in (0, 1):
+        got = ucl.load(tmp_path, step)
+        want = replicated_state(step)
+        assert got["step"] == step
+        assert all(torch.equal(got["model"][k], v) for k, v in want["model"].items())
+    assert ucl.validate(tmp_path).ok
+
+
+def test_a_failing_rank_fails_every_handle_and_commits_nothing(tmp_path) -> None:
+    results = dist.run(2, "tests.engine.dist_cases:save_with_failing_rank", {"path": str(tmp_path), "bad_rank": 1})
+    for r in results:
+        assert r["outcome"] != "committed"
+        assert "No space left on device" in r["outcome"]
+        assert r["latest"] == 0
+    assert ucl.Repository.open(tmp_path).steps() == [0]
+    assert ucl.validate(tmp_path).ok
