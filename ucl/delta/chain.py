@@ -1,0 +1,255 @@
+"""Delta chains (spec/delta.md §6-§7): resolve them and rebuild inner chunks through them.
+
+Pure functions over callbacks; the caller (reader, validator) does the I/O:
+
+1. :func:`resolve_chain` walks step documents (``get_meta(step) -> StepInfo | None``) from a step to its
+   full base and checks the step-level rules: every step exists and is committed, parents are older,
+   no cycle, length within ``max_chain``.
+2. :func:`resolve_array_chain` walks one tensor's array documents (``get_array(step, name) -> ArrayInfo
+   | None``) along its ``base_step`` links and checks shape, dtype and chunking agree.
+3. :func:`reconstruct_inner` rebuilds one inner chunk from the newest link back: it asks
+   ``read_inner(step, name, coords)`` only for the links it needs (stopping at the first full payload),
+   then applies the deltas oldest first, in place, into ``out``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ucl.delta.codec import Backend, decode_chunk
+from ucl.delta.records import DeltaRecord
+from ucl.errors import DeltaChainError, FormatError, IntegrityError, LimitExceededError, UCLError
+
+__all__ = ["DEFAULT_MAX_CHAIN", "ArrayInfo", "StepInfo", "reconstruct_inner", "resolve_array_chain",
+           "resolve_chain"]
+
+DEFAULT_MAX_CHAIN = 64
+HARD_MAX_CHAIN = 4096  # readers refuse longer chains whatever a writer says (spec/delta.md §6)
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What chain resolution needs of a step: from its step document and commit record."""
+
+    step: int
+    kind: str  # "full" | "delta"
+    parent: int | None
+    committed: bool = True
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """What chain resolution needs of one tensor in one step: from its array document."""
+
+    step: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    chunk_shape: tuple[int, ...]
+    inner_chunk_shape: tuple[int, ...]
+    delta: DeltaRecord | None  # None: stored full in this step
+
+    @property
+    def kind(self) -> str:
+        """``"full"``, ``"unchanged"`` or ``"chunked"``."""
+        return "full" if self.delta is None else self.delta.mode
+
+
+def _check_limit(max_chain: int) -> None:
+    if not isinstance(max_chain, int) or not 0 <= max_chain <= HARD_MAX_CHAIN:
+        raise LimitExceededError(f"max_chain must be an integer in [0, {HARD_MAX_CHAIN}], found {max_chain!r}")
+
+
+def resolve_chain(step: int, get_meta: Callable[[int], StepInfo | None], max_chain: int = DEFAULT_MAX_CHAIN) -> list[int]:
+    """The steps from the full base to ``step``, oldest first (``[step]`` for a full step).
+
+    Parameters
+    ----------
+    step : int
+        The step to resolve.
+    get_meta : callable
+        ``get_meta(s)`` returns the :class:`StepInfo` of step ``s``, or None when it does not exist. A
+        :class:`~ucl.errors.UCLError` it raises is reported as a broken chain naming ``s``.
+    max_chain : int, optional
+        The most delta steps allowed between ``step`` and its full base (spec/delta.md §6).
+
+    Returns
+    -------
+    list of int
+        ``[full_base, ..., parent, step]``.
+
+    Raises
+    ------
+    DeltaChainError
+        A missing or uncommitted step, a delta step without a parent, a parent not older than its
+        child (which also rules out cycles), a cycle, or a chain of more than ``max_chain`` deltas;
+        the message names the step at fault and the step being resolved.
+    """
+    _check_limit(max_chain)
+    chain: list[int] = []
+    seen: set[int] = set()
+    cur: int | None = step
+    child: int | None = None
+    while cur is not None:
+        who = f"step {cur}" if child is None else f"step {cur} (base of step {child}, in the chain of step {step})"
+        if cur in seen:
+            raise DeltaChainError(f"{who}: the chain has a cycle through step {cur}")
+        seen.add(cur)
+        try:
+            info = get_meta(cur)
+        except DeltaChainError:
+            raise
+        except UCLError as e:
+            raise DeltaChainError(f"{who} is not readable: [{e.code}] {e.message}", file=e.file) from e
+        if info is None:
+            raise DeltaChainError(f"{who} does not exist")
+        if not info.committed:
+            raise DeltaChainError(f"{who} is not committed")
+        chain.append(cur)
+        if info.kind == "full":
+            break
+        if info.kind != "delta":
+            raise DeltaChainError(f"{who}: kind must be full or delta, found {info.kind!r}")
+        if info.parent is None:
+            raise DeltaChainError(f"{who} is a delta step without a parent")
+        if info.parent in seen:
+            raise DeltaChainError(f"{who}: the chain has a cycle through step {info.parent}")
+        if info.parent >= cur:
+            raise DeltaChainError(f"{who}: parent {info.parent} is not older than the step")
+        if len(chain) > max_chain:
+            raise DeltaChainError(f"step {step}: the chain has more than max_chain={max_chain} delta steps "
+                                  f"(reached step {info.parent} without a full step)")
+        child, cur = cur, info.parent
+    chain.reverse()
+    return chain
+
+
+def resolve_array_chain(step: int, name: str, get_array: Callable[[int, str], ArrayInfo | None],
+                        steps: Sequence[int] | None = None, max_chain: int = DEFAULT_MAX_CHAIN) -> list[ArrayInfo]:
+    """One tensor's links from the step that stores it full to ``step``, oldest first.
+
+    Links whose mode is ``unchanged`` are kept (they cost nothing to walk). Each link's ``base_step``
+    must be older, be one of ``steps`` (the step chain from :func:`resolve_chain`) when given, hold the
+    tensor, and agree on shape, dtype, chunk shape and inner chunk shape.
+
+    Raises
+    ------
+    DeltaChainError
+        Naming the tensor, the link and its base step.
+    """
+    _check_limit(max_chain)
+    allowed = set(steps) if steps is not None else None
+    links: list[ArrayInfo] = []
+    cur, child = step, None
+    while True:
+        who = f"tensor {name!r} in step {cur}" + ("" if child is None else f" (base of step {child})")
+        try:
+            info = get_array(cur, name)
+        except DeltaChainError:
+            raise
+        except UCLError as e:
+            raise DeltaChainError(f"{who} is not readable: [{e.code}] {e.message}", tensor=name, file=e.file) from e
+        if info is None:
+            raise DeltaChainError(f"{who} does not exist", tensor=name)
+        if links:
+            last = links[-1]
+            for attr in ("shape", "dtype", "chunk_shape", "inner_chunk_shape"):
+                if getattr(info, attr) != getattr(last, attr):
+                    raise DeltaChainError(
+                        f"tensor {name!r}: step {last.step} is a delta of step {cur}, but their {attr.replace('_', ' ')}s "
+                        f"differ: {getattr(last, attr)} in step {last.step}, {getattr(info, attr)} in step {cur}",
+                        tensor=name)
+        links.append(info)
+        if info.delta is None:
+            break
+        base = info.delta.base_step
+        if base >= cur:
+            raise DeltaChainError(f"{who}: base_step {base} is not older than the step", tensor=name)
+        if allowed is not None and base not in allowed:
+            raise DeltaChainError(f"{who}: base_step {base} is not in the step's parent chain {sorted(allowed)}",
+                                  tensor=name)
+        if len(links) > max_chain:
+            raise DeltaChainError(f"tensor {name!r} in step {step}: more than max_chain={max_chain} delta links",
+                                  tensor=name)
+        child, cur = cur, base
+    links.reverse()
+    return links
+
+
+ReadInner = Callable[[int, str, tuple[int, ...]], "bytes | memoryview | None"]
+
+
+def reconstruct_inner(links: Sequence[ArrayInfo], coords: tuple[int, ...], read_inner: ReadInner, out: np.ndarray,
+                      *, backend: Backend = "native") -> int:
+    """Rebuild one inner chunk of the newest link into ``out``, bit for bit.
+
+    Parameters
+    ----------
+    links : sequence of ArrayInfo
+        From :func:`resolve_array_chain`, oldest (stored full) first.
+    coords : tuple of int
+        The inner chunk's coordinates (the caller's convention; passed through to ``read_inner``).
+    read_inner : callable
+        ``read_inner(step, name, coords)``: for a link stored full, the chunk's decoded values (bytes,
+        little-endian, ``out.nbytes`` long); for a chunked link, the ``ucl.delta`` payload with its crc32c
+        verified and removed, or None when the chunk is absent (unchanged). Never called for unchanged
+        links, nor for links older than the newest full payload.
+    out : numpy.ndarray
+        C-contiguous unsigned-integer words (``bit_view``) receiving the values.
+
+    Returns
+    -------
+    int
+        The number of payloads decoded (0 when the chunk came straight from a full link).
+
+    Raises
+    ------
+    DeltaChainError
+        A payload or stored chunk that is corrupt, malformed or of the wrong size, in any link: the
+        message names the link's step and the tensor, and the step being rebuilt.
+    """
+    if not links or links[0].delta is not None:
+        raise DeltaChainError("reconstruct_inner: the links must start with the step that stores the tensor full")
+    top = links[-1]
+    name = top.name
+    pending: list[tuple[ArrayInfo, bytes | memoryview]] = []
+    for link in reversed(links):
+        if link.kind == "unchanged":
+            continue
+        data = _read(read_inner, link, coords, top)
+        if link.kind == "full":
+            if data is None or len(data) != out.nbytes:
+                found = "absent" if data is None else f"{len(data)} bytes"
+                raise DeltaChainError(f"{_where(link, coords, top)}: the stored chunk must be {out.nbytes} bytes, found {found}",
+                                      tensor=name)
+            out.view(np.uint8)[...] = np.frombuffer(data, np.uint8)
+            break
+        if data is None:
+            continue
+        pending.append((link, data))
+        if len(data) and data[0] == 0:  # full values: older links are not needed
+            break
+    for link, payload in reversed(pending):
+        try:
+            decode_chunk(payload, out, out, backend=backend)
+        except (FormatError, DeltaChainError) as e:
+            raise DeltaChainError(f"{_where(link, coords, top)}: [{e.code}] {e.message}", tensor=name) from e
+    return len(pending)
+
+
+def _where(link: ArrayInfo, coords: tuple[int, ...], top: ArrayInfo) -> str:
+    s = f"tensor {link.name!r}, inner chunk {list(coords)} of step {link.step}"
+    return s if link.step == top.step else s + f" (a base of step {top.step})"
+
+
+def _read(read_inner: ReadInner, link: ArrayInfo, coords: tuple[int, ...], top: ArrayInfo) -> bytes | memoryview | None:
+    try:
+        return read_inner(link.step, link.name, coords)
+    except IntegrityError as e:
+        if link.step == top.step:
+            raise
+        raise DeltaChainError(f"{_where(link, coords, top)} is corrupt: [{e.code}] {e.message}",
+                              tensor=link.name, file=e.file) from e
