@@ -1,4 +1,5 @@
-/* CRC-32C: SSE4.2 instruction when present (chosen once at run time), slicing-by-8 table otherwise. */
+/* CRC-32C: SSE4.2 instruction in three lanes when present (chosen once at run time), slicing-by-8
+   table otherwise; and combining crcs of consecutive pieces (for the write engine's segments). */
 #include "crc32c.h"
 #include <pthread.h>
 #include <string.h>
@@ -34,27 +35,6 @@ static uint32_t crc_sw(uint32_t crc, const unsigned char *p, size_t n) {
     return crc;
 }
 
-#if defined(__x86_64__)
-#include <nmmintrin.h>
-/* One crc32 instruction per 8 bytes (~8 GB/s, latency bound); enough beside a ~3 GB/s disk. */
-__attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const unsigned char *p, size_t n) {
-    uint64_t c = crc;
-    while (n && ((uintptr_t)p & 7)) { c = _mm_crc32_u8((uint32_t)c, *p++); n--; }
-    while (n >= 64) {
-        uint64_t w[8];
-        memcpy(w, p, 64);
-        c = _mm_crc32_u64(c, w[0]); c = _mm_crc32_u64(c, w[1]);
-        c = _mm_crc32_u64(c, w[2]); c = _mm_crc32_u64(c, w[3]);
-        c = _mm_crc32_u64(c, w[4]); c = _mm_crc32_u64(c, w[5]);
-        c = _mm_crc32_u64(c, w[6]); c = _mm_crc32_u64(c, w[7]);
-        p += 64; n -= 64;
-    }
-    while (n >= 8) { uint64_t w; memcpy(&w, p, 8); c = _mm_crc32_u64(c, w); p += 8; n -= 8; }
-    while (n--) c = _mm_crc32_u8((uint32_t)c, *p++);
-    return (uint32_t)c;
-}
-#endif
-
 /* GF(2) polynomial arithmetic modulo POLY, bit-reflected (zlib's crc32_combine, for CRC-32C). */
 static uint32_t x2n_table[32]; /* x^(2^n) mod POLY */
 
@@ -82,11 +62,64 @@ static uint32_t x2nmodp(uint64_t n, unsigned k) {
     return p;
 }
 
+/* Shifting a crc register over len zero bytes is linear: one table per byte of the register. */
+#define LONG 8192
+#define SHORT 256
+static uint32_t shift_long[4][256], shift_short[4][256];
+
+static void init_shift(uint32_t t[4][256], uint64_t len) {
+    uint32_t k = x2nmodp(len, 3);
+    for (int i = 0; i < 4; i++)
+        for (uint32_t b = 0; b < 256; b++) t[i][b] = multmodp(k, b << (8 * i));
+}
+
+static inline uint64_t shift(uint32_t t[4][256], uint64_t c) {
+    return t[0][c & 0xff] ^ t[1][(c >> 8) & 0xff] ^ t[2][(c >> 16) & 0xff] ^ t[3][(c >> 24) & 0xff];
+}
+
+#if defined(__x86_64__)
+#include <nmmintrin.h>
+/* The crc32 instruction has a latency of 3 cycles and a throughput of 1: three independent lanes over
+   consecutive blocks, joined by shifting (Mark Adler's crc32c.c), run ~3x faster than one. */
+__attribute__((target("sse4.2"))) static uint64_t lanes3(uint64_t c, const unsigned char **pp, size_t *np,
+                                                         size_t len, uint32_t t[4][256]) {
+    const unsigned char *p = *pp;
+    while (*np >= 3 * len) {
+        uint64_t c1 = 0, c2 = 0, w0, w1, w2;
+        for (const unsigned char *end = p + len; p < end; p += 8) {
+            memcpy(&w0, p, 8);
+            memcpy(&w1, p + len, 8);
+            memcpy(&w2, p + 2 * len, 8);
+            c = _mm_crc32_u64(c, w0);
+            c1 = _mm_crc32_u64(c1, w1);
+            c2 = _mm_crc32_u64(c2, w2);
+        }
+        c = shift(t, shift(t, c) ^ c1) ^ c2;
+        p += 2 * len;
+        *np -= 3 * len;
+    }
+    *pp = p;
+    return c;
+}
+
+__attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const unsigned char *p, size_t n) {
+    uint64_t c = crc;
+    while (n && ((uintptr_t)p & 7)) { c = _mm_crc32_u8((uint32_t)c, *p++); n--; }
+    c = lanes3(c, &p, &n, LONG, shift_long);
+    c = lanes3(c, &p, &n, SHORT, shift_short);
+    while (n >= 8) { uint64_t w; memcpy(&w, p, 8); c = _mm_crc32_u64(c, w); p += 8; n -= 8; }
+    while (n--) c = _mm_crc32_u8((uint32_t)c, *p++);
+    return (uint32_t)c;
+}
+#endif
+
 static void init(void) {
     init_table();
     uint32_t p = 1u << 30; /* x^1 */
     x2n_table[0] = p;
     for (int n = 1; n < 32; n++) x2n_table[n] = p = multmodp(p, p);
+    init_shift(shift_long, LONG);
+    init_shift(shift_short, SHORT);
 #if defined(__x86_64__)
     __builtin_cpu_init();
     hw = __builtin_cpu_supports("sse4.2") ? 1 : 0;
