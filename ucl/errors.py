@@ -180,3 +180,40 @@ ALL_CODES: dict[str, type[UCLError]] = {
         WriterLockedError, InvalidArgumentError,
     ]
 }
+
+
+# -- layout failures (spec/layout.md §10); appended, each a LayoutError with its own code -----------
+class LayoutSyntaxError(LayoutError):
+    """Layout text that does not follow the grammar (spec/layout.md §3)."""
+
+    code = "layout_syntax"
+
+
+class InvalidLayoutError(LayoutError):
+    """A layout inconsistent in itself: an axis used twice, transforms out of order, a bad value or field."""
+
+    code = "invalid_layout"
+
+
+class MeshMismatchError(LayoutError):
+    """A mesh that does not fit: wrong world size, an axis the layout names is missing, or not the declared mesh."""
+
+    code = "mesh_mismatch"
+
+
+class UnmatchedPatternError(LayoutError):
+    """A rule or renumber pattern, or a flat member, that matches no tensor."""
+
+    code = "pattern_unmatched"
+
+
+class OverlappingRulesError(LayoutError):
+    """A tensor that more than one rule matches."""
+
+    code = "rules_overlap"
+
+
+class LayoutShapeError(LayoutError):
+    """A tensor that does not fit its rule: a shape not dividing as declared, a layer outside its stage."""
+
+    code = "layout_shape_mismatch"
