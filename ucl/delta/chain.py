@@ -94,7 +94,8 @@ def resolve_chain(step: int, get_meta: Callable[[int], StepInfo | None], max_cha
     cur: int | None = step
     child: int | None = None
     while cur is not None:
-        who = f"step {cur}" if child is None else f"step {cur} (base of step {child}, in the chain of step {step})"
+        who = (f"step {cur}" if child is None else f"step {cur} (parent of step {child})" if child == step
+               else f"step {cur} (parent of step {child}, in the chain of step {step})")
         if cur in seen:
             raise DeltaChainError(f"{who}: the chain has a cycle through step {cur}")
         seen.add(cur)

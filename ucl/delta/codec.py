@@ -247,6 +247,6 @@ def decode_chunk(payload: bytes | memoryview | bytearray, base: np.ndarray | Non
 
         _reference.decode(payload, base, out)
         return
-    rc, _mode = _native().decode(payload, base, out, out.dtype.itemsize)
+    rc, mode = _native().decode(payload, base, out, out.dtype.itemsize)
     if rc != 0:
-        _raise_c(rc, "delta payload")
+        _raise_c(rc, f"delta payload (mode byte {mode})" if rc == -4 else "delta payload")
