@@ -64,10 +64,12 @@ class Repository:
             if not create:
                 raise CheckpointNotFoundError(f"no ucl repository at {repo.store.url} (zarr.json is missing)",
                                               file=repo.store.url) from None
-            repo.store.write_atomic("zarr.json", metadata.dumps(metadata.repo_doc()))
+            # the root document last: a repository exists once it does, with everything it needs
             repo.store.write_atomic("steps/zarr.json", metadata.dumps(
                 {"zarr_format": 3, "node_type": "group", "attributes": {}}))
-            repo.store.sync_dir("")
+            repo.store.write_atomic("zarr.json", metadata.dumps(metadata.repo_doc()))
+            if repo.store.is_local:
+                repo.store.sync_dir("")
             return repo
         metadata.parse_repo(raw, f"{repo.store.url}/zarr.json")
         return repo
