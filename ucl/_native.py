@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from ucl import _engine
+from ucl import _engine  # type: ignore[attr-defined]  # the C extension, without stubs
 from ucl.errors import InvalidArgumentError, WriteError
 
 if TYPE_CHECKING:
@@ -131,19 +131,23 @@ class FileWriter:
             raise InvalidArgumentError(
                 f"buffers must be a sequence of buffers (a list or tuple), got {type(buffers).__name__}"
             )
-        views = []
-        for i, b in enumerate(buffers):
-            try:
-                v = memoryview(b)
-            except TypeError:
-                raise InvalidArgumentError(
-                    f"buffers[{i}] of {os.fspath(path)!r} has no buffer protocol ({type(b).__name__})"
-                ) from None
-            if not v.c_contiguous:
-                raise InvalidArgumentError(f"buffers[{i}] of {os.fspath(path)!r} is not C-contiguous")
-            views.append(v)
-        job: int = self._pool.submit(os.fsencode(os.path.abspath(path)), views)
-        return job
+        views: list[memoryview] = []
+        try:
+            for i, b in enumerate(buffers):
+                try:
+                    views.append(memoryview(b))
+                except TypeError:
+                    raise InvalidArgumentError(
+                        f"buffers[{i}] of {os.fspath(path)!r} has no buffer protocol ({type(b).__name__})"
+                    ) from None
+                if not views[-1].c_contiguous:
+                    raise InvalidArgumentError(f"buffers[{i}] of {os.fspath(path)!r} is not C-contiguous")
+            job: int = self._pool.submit(os.fsencode(os.path.abspath(path)), views)
+            return job
+        except BaseException:
+            for v in views:  # the traceback keeps this frame: do not keep the callers' buffers exported
+                v.release()
+            raise
 
     def wait(self, job: int, timeout: float | None = None) -> tuple[int, int]:
         """Wait for a job to be written, synced and closed, and reap it.
@@ -175,7 +179,9 @@ class FileWriter:
         try:
             res = self._pool.wait(job, -1.0 if timeout is None else float(timeout))
         except KeyError:
-            raise InvalidArgumentError(f"no job {job!r} to wait for (unknown, or already waited for)") from None
+            raise InvalidArgumentError(
+                f"no job {job!r} to wait for (unknown, or already waited for)"
+            ) from None
         if res is None:
             raise TimeoutError(f"write job {job} still running after {timeout} s")
         err, op, offset, nbytes, crc, _direct, path = res
@@ -261,7 +267,9 @@ def inject_fault(kind: str | None, nth: int = 1, errno: int = _errno.EIO) -> Non
         The error for ``"pwrite"`` and ``"fdatasync"`` (EIO, ENOSPC, ...).
     """
     if kind not in _FAULTS:
-        raise InvalidArgumentError(f"kind must be one of {sorted(k for k in _FAULTS if k)} or None, got {kind!r}")
+        raise InvalidArgumentError(
+            f"kind must be one of {sorted(k for k in _FAULTS if k)} or None, got {kind!r}"
+        )
     if not 0 <= nth < 1 << 32:
         raise InvalidArgumentError(f"nth must be >= 0, got {nth!r}")
     if errno <= 0:
