@@ -158,6 +158,7 @@ class CheckpointManager:
         self._lock = _WriterLock.acquire(self.repo) if self.rank == 0 else None
         self._writer_threads, self._direct = writer_threads, direct
         self._file_writer: Any = None
+        self._uploads: Any = None
         self._slots: list[_Slot] = []
         self._slot_free = threading.Condition()
         self._plans: dict[Any, saveplan.SavePlan] = {}
@@ -345,19 +346,26 @@ class CheckpointManager:
                 buffers = encode_shard(w.array, w.coords, block)
                 if fw is not None:
                     path = os.path.join(store.root, *f"{prefix}/{rel}".split("/"))  # type: ignore[attr-defined]
-                    jobs.append((rel, (fw.submit(path, buffers), buffers)))
-                else:
-                    out[rel] = store.write(f"{prefix}/{rel}", buffers)
+                    jobs.append((rel, fw.submit(path, buffers), buffers))
+                else:  # object stores: several uploads in flight
+                    jobs.append((rel, self._remote_pool().submit(store.write, f"{prefix}/{rel}", buffers), buffers))
         finally:
             first: BaseException | None = None
-            for rel, (jid, _keep_alive) in jobs:
+            for rel, jid, _keep_alive in jobs:
                 try:
-                    out[rel] = fw.wait(jid)
+                    out[rel] = fw.wait(jid) if fw is not None else jid.result()
                 except BaseException as e:  # noqa: BLE001 - reap every job before raising
                     first = first or e
             if first is not None:
                 raise first
         return out
+
+    def _remote_pool(self) -> Any:
+        if self._uploads is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._uploads = ThreadPoolExecutor(self._writer_threads, thread_name_prefix="ucl-upload")
+        return self._uploads
 
     def _commit(self, job: _Job, files: dict[str, tuple[int, int]], err: BaseException | None) -> CommitRecord | None:
         report = {"rank": self.rank, "files": files, "error": None if err is None else _describe(err)}
@@ -448,6 +456,8 @@ class CheckpointManager:
             self._thread.join(timeout)
             if self._file_writer is not None:
                 self._file_writer.close(timeout)
+            if self._uploads is not None:
+                self._uploads.shutdown(wait=True)
             if self._lock is not None:
                 self._lock.release()
             self._dist.close()
