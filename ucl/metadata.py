@@ -19,9 +19,11 @@ from ucl import _native, dtypes, names
 from ucl.errors import (
     CorruptCommitRecordError,
     InconsistentMetadataError,
+    InvalidNameError,
     LimitExceededError,
     SchemaError,
     UnknownExtensionError,
+    UnsupportedDTypeError,
     UnsupportedVersionError,
 )
 
@@ -72,7 +74,10 @@ def _validator(name: str) -> Any:
         resources.append((p.name, Resource.from_contents(doc)))
     registry = Registry().with_resources(resources)
     schema = json.loads((SCHEMA_DIR / f"{name}.schema.json").read_text())
-    return jsonschema.Draft202012Validator(schema, registry=registry)
+    # JSON Schema counts 4.0 as an integer; UCL does not (a float size or shape would reach arithmetic).
+    strict = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=(
+        jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", lambda _, x: type(x) is int)))
+    return strict(schema, registry=registry)
 
 
 def check_schema(doc: Any, schema: str, what: str) -> None:
@@ -99,9 +104,18 @@ def repo_doc() -> dict[str, Any]:
     return {"zarr_format": 3, "node_type": "group", "attributes": {"ucl": {"format_version": FORMAT_VERSION}}}
 
 
+def _format_version(doc: Any) -> Any:
+    """attributes.ucl.format_version, or None, read before the schema check (a newer version may differ)."""
+    for k in ("attributes", "ucl", "format_version"):
+        if not isinstance(doc, dict):
+            return None
+        doc = doc.get(k)
+    return doc
+
+
 def parse_repo(data: bytes, what: str = "zarr.json") -> dict[str, Any]:
     doc = loads(data, what)
-    version = doc.get("attributes", {}).get("ucl", {}).get("format_version") if isinstance(doc, dict) else None
+    version = _format_version(doc)
     if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
         raise UnsupportedVersionError(f"{what}: format version {version}; this reader knows up to {FORMAT_VERSION}", file=what)
     check_schema(doc, "repository", what)
@@ -197,6 +211,9 @@ class ArrayMeta:
 
     @classmethod
     def from_dict(cls, doc: Any, what: str) -> ArrayMeta:
+        if isinstance(doc, dict) and "data_type" in doc and doc["data_type"] not in dtypes.SPEC_DTYPES:
+            raise UnsupportedDTypeError(f"{what}: data type {str(doc['data_type'])[:64]!r} is not one of the spec's",
+                                        file=what)
         check_schema(doc, "array", what)
         shape = tuple(doc["shape"])
         chunk = tuple(doc["chunk_grid"]["configuration"]["chunk_shape"])
@@ -239,6 +256,11 @@ class ArrayMeta:
                 raise SchemaError(f"{what}: inner bytes codec must be little-endian", tensor=name, file=what)
             if len(codecs) == 3:
                 compression = codecs[1]
+                conf = compression.get("configuration", {})
+                level, checksum = conf.get("level", 1), conf.get("checksum", False)
+                if type(level) is not int or not -131072 <= level <= 22 or not isinstance(checksum, bool):
+                    raise SchemaError(f"{what}: zstd configuration {str(conf)[:200]} needs an integer level in "
+                                      "[-131072, 22] and a boolean checksum", tensor=name, file=what)
         if [_strip(c) for c in shard["index_codecs"]] != [_BYTES_LE, _CRC]:
             raise SchemaError(f"{what}: index codecs must be [bytes little-endian, crc32c]", tensor=name, file=what)
         return cls(name=name, shape=shape, dtype=dtype, chunk_shape=chunk, inner_chunk_shape=inner,
@@ -283,7 +305,7 @@ class StepMeta:
 
     @classmethod
     def from_dict(cls, doc: Any, what: str) -> StepMeta:
-        version = doc.get("attributes", {}).get("ucl", {}).get("format_version") if isinstance(doc, dict) else None
+        version = _format_version(doc)
         if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
             raise UnsupportedVersionError(f"{what}: format version {version}; this reader knows up to {FORMAT_VERSION}", file=what)
         check_schema(doc, "step", what)
@@ -297,7 +319,7 @@ class StepMeta:
                 if meta.key != key:
                     raise InconsistentMetadataError(f"{what}: array at {key!r} names itself {meta.name!r}", tensor=meta.name, file=what)
                 arrays[meta.name] = meta
-        referenced = set(names.iter_tree_tensors(ucl["tree"]))
+        referenced = set(names.iter_tree_tensors(ucl["tree"], what))
         if not referenced <= set(arrays):
             missing = sorted(referenced - set(arrays))[0]
             raise InconsistentMetadataError(f"{what}: the structure tree names tensor {missing!r}, which has no array", tensor=missing, file=what)
@@ -335,6 +357,10 @@ class CommitRecord:
     def from_bytes(cls, data: bytes, what: str, step: int | None = None) -> CommitRecord:
         try:
             doc = loads(data, what)
+            version = doc.get("ucl_commit") if isinstance(doc, dict) else None
+            if type(version) is int and version > 1:
+                raise UnsupportedVersionError(f"commit record {what} has version {version}; this reader knows 1",
+                                              file=what)
             check_schema(doc, "commit", what)
         except (SchemaError, LimitExceededError) as e:
             raise CorruptCommitRecordError(f"commit record {what} is unreadable: {e.message}", file=what) from None
@@ -348,6 +374,6 @@ class CommitRecord:
         for k, (size, crc) in doc["files"].items():
             for seg in k.split("/"):
                 if seg in ("", ".", "..") or "\\" in seg or "\x00" in seg:
-                    raise CorruptCommitRecordError(f"commit record {what} lists a file {k!r} outside its step", file=what)
+                    raise InvalidNameError(f"commit record {what} lists a file {k[:200]!r} outside its step", file=what)
             files[k] = (size, crc)
         return cls(step=doc["step"], kind=doc["kind"], files=files, parent=doc.get("parent"), time=doc["time"])

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ucl.errors import InvalidArgumentError, InvalidNameError, LimitExceededError
+from ucl.errors import InvalidArgumentError, InvalidNameError, LimitExceededError, SchemaError
 
 MAX_NAME_BYTES = 1024
 MAX_SEGMENT_BYTES = 255
@@ -162,14 +162,27 @@ def unflatten(tree: Mapping[str, Any], tensors: Mapping[str, Any]) -> Any:
     return build(tree, 0)
 
 
-def iter_tree_tensors(tree: Mapping[str, Any]) -> Iterator[str]:
-    """Names of the tensors a structure tree refers to."""
-    stack = [tree]
+def iter_tree_tensors(tree: Mapping[str, Any], what: str = "structure tree") -> Iterator[str]:
+    """Names of the tensors a structure tree refers to, checking its form as it goes (spec/core.md §5.3).
+
+    Raises SchemaError for a node that is not one of the spec's, LimitExceededError past MAX_DEPTH, so that
+    :func:`unflatten` can trust the tree.
+    """
+    stack: list[tuple[Any, int]] = [(tree, 0)]
     while stack:
-        node = stack.pop()
-        if node.get("t") == "tensor":
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise LimitExceededError(f"{what}: the structure tree nests deeper than {MAX_DEPTH} levels", file=what)
+        t = node.get("t") if isinstance(node, dict) else None
+        items = node.get("items") if t in ("dict", "list", "tuple") else None
+        if t == "tensor" and isinstance(node.get("name"), str):
             yield node["name"]
-        elif node.get("t") in ("dict",):
-            stack.extend(v for _, v in node["items"])
-        elif node.get("t") in ("list", "tuple"):
-            stack.extend(node["items"])
+        elif t == "dict" and isinstance(items, list) and all(
+                isinstance(i, list) and len(i) == 2 and type(i[0]) in (str, int) for i in items):
+            stack.extend((v, depth + 1) for _, v in items)
+        elif t in ("list", "tuple") and isinstance(items, list):
+            stack.extend((v, depth + 1) for v in items)
+        elif t == "value" or (t == "float" and node.get("v") in ("nan", "inf", "-inf")):
+            pass
+        else:
+            raise SchemaError(f"{what}: a structure tree node is malformed: {str(node)[:200]}", file=what)

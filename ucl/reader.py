@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -11,7 +13,13 @@ import torch
 
 from ucl import dtypes, names
 from ucl.boxread import Request, StepFiles, read
-from ucl.errors import CheckpointNotFoundError, InvalidArgumentError, TensorNotFoundError
+from ucl.errors import (
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    LimitExceededError,
+    MissingShardError,
+    TensorNotFoundError,
+)
 from ucl.metadata import ArrayMeta, CommitRecord, StepMeta
 from ucl.repo import Repository
 from ucl.storage import Store
@@ -65,8 +73,9 @@ class LazyTensor:
                 a < 0 or n < 0 or a + n > s for a, n, s in zip(start, shape, self.meta.shape, strict=True)):
             raise InvalidArgumentError(f"box start={list(start)} shape={list(shape)} is outside tensor {self.name!r} "
                                        f"of shape {list(self.meta.shape)}", tensor=self.name)
+        self._ckpt._check_listed(self.meta, start, shape)
         if out is None:
-            out = torch.empty(shape, dtype=self.dtype)
+            out = _empty(self.meta, shape)
         elif tuple(out.shape) != shape or out.dtype != self.dtype or not out.is_contiguous() or out.device.type != "cpu":
             raise InvalidArgumentError(f"out must be a contiguous CPU {self.dtype} tensor of shape {list(shape)}",
                                        tensor=self.name)
@@ -175,6 +184,18 @@ class Checkpoint:
         return f"Checkpoint({self.repo.url!r}, step={self.step}, tensors={len(self)})"
 
     # -- reading -----------------------------------------------------------------------------------
+    def _check_listed(self, meta: ArrayMeta, start: tuple[int, ...], shape: tuple[int, ...]) -> None:
+        """Every shard a box needs is in the commit record: checked before anything is allocated (spec §8.4)."""
+        if meta.delta is not None or not all(shape):
+            return
+        ranges = [range(a // c, -(-(a + n) // c)) for a, n, c in zip(start, shape, meta.chunk_shape, strict=True)]
+        if math.prod(len(r) for r in ranges) > len(self.record.files):
+            raise MissingShardError(f"tensor {meta.name!r} needs {math.prod(len(r) for r in ranges)} shards; the commit "
+                                    f"record of step {self.step} lists {len(self.record.files)} files",
+                                    tensor=meta.name, file=meta.key)
+        for coords in itertools.product(*ranges):
+            self._files.shard(meta, coords)
+
     def _read(self, requests: list[Request]) -> None:
         if self._pool is None and sum(r.meta.nbytes for r in requests) > 8 << 20:
             self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ucl-read")
@@ -186,7 +207,9 @@ class Checkpoint:
         Returns the state dict as it was saved (nested dicts and lists rebuilt, JSON leaves restored), or
         a flat ``{name: tensor}`` dict with ``flat=True``.
         """
-        out = {n: torch.empty(m.shape, dtype=dtypes.to_torch(m.dtype)) for n, m in self.meta.arrays.items()}
+        for m in self.meta.arrays.values():
+            self._check_listed(m, (0,) * len(m.shape), m.shape)
+        out = {n: _empty(m, m.shape) for n, m in self.meta.arrays.items()}
         self.load_into(out)
         return out if flat else names.unflatten(self.meta.tree, out)
 
@@ -216,6 +239,14 @@ class Checkpoint:
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=False)
+
+
+def _empty(meta: ArrayMeta, shape: tuple[int, ...]) -> torch.Tensor:
+    try:
+        return torch.empty(shape, dtype=dtypes.to_torch(meta.dtype))
+    except (RuntimeError, MemoryError):  # the shape was checked against the spec's limits, not this machine's
+        raise LimitExceededError(f"cannot allocate {math.prod(shape) * meta.itemsize} bytes for tensor {meta.name!r}",
+                                 tensor=meta.name) from None
 
 
 def open(path: str | os.PathLike[str] | Store, step: int | None = None, *,  # noqa: A001

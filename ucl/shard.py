@@ -210,8 +210,12 @@ def decode_chunk(meta: ArrayMeta, encoded: memoryview, where: str, coords: tuple
         out = encoded
     else:
         comp = _compressor(meta)
-        try:
-            out = memoryview(comp.decode(bytes(encoded))).cast("B")
+        declared = zstd_content_size(encoded)
+        if declared is not None and declared != meta.inner_nbytes:  # never allocate what a frame claims
+            raise IntegrityError(f"{where}: inner chunk {list(coords)} declares {declared} bytes, expected "
+                                 f"{meta.inner_nbytes}", tensor=meta.name, file=where)
+        try:  # into a buffer of exactly the inner chunk's size: a frame that holds more fails
+            out = memoryview(comp.decode(bytes(encoded), out=np.empty(meta.inner_nbytes, np.uint8))).cast("B")
         except Exception as e:
             raise IntegrityError(f"{where}: inner chunk {list(coords)} does not decompress: {e}",
                                  tensor=meta.name, file=where) from None
@@ -219,3 +223,18 @@ def decode_chunk(meta: ArrayMeta, encoded: memoryview, where: str, coords: tuple
         raise IntegrityError(f"{where}: inner chunk {list(coords)} decodes to {out.nbytes} bytes, expected "
                              f"{meta.inner_nbytes}", tensor=meta.name, file=where)
     return out
+
+
+def zstd_content_size(frame: memoryview | bytes) -> int | None:
+    """The content size a zstd frame header declares (RFC 8878 §3.1.1.1), or None when it has none."""
+    head = bytes(frame[:18])
+    if len(head) < 5 or head[:4] != b"\x28\xb5\x2f\xfd":
+        return None  # not a zstd frame: the decoder says so
+    fhd = head[4]
+    single = (fhd >> 5) & 1
+    pos = 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3]
+    size = (single, 2, 4, 8)[fhd >> 6]
+    if size == 0 or len(head) < pos + size:
+        return None
+    value = int.from_bytes(head[pos : pos + size], "little")
+    return value + 256 if size == 2 else value

@@ -8,6 +8,8 @@ the step, tensor and file; a failing tensor does not stop the others from being 
 
 from __future__ import annotations
 
+import itertools
+import math
 import mmap
 import os
 import struct
@@ -25,9 +27,8 @@ from ucl.errors import (
 )
 from ucl.metadata import ArrayMeta, CommitRecord, StepMeta
 from ucl.repo import Repository, step_prefix
-from ucl.shard import EMPTY, index_nbytes, inner_chunks, parse_index
+from ucl.shard import EMPTY, decode_chunk, index_nbytes, inner_chunks, parse_index
 from ucl.storage import LocalStore
-from ucl.writer import all_shards
 
 _CRC = struct.Struct("<I")
 
@@ -110,7 +111,13 @@ def _validate_step(repo: Repository, step: int, report: Report, checksums: bool)
         except UCLError as e:
             report.add(e, step)
             continue
-        for coords in all_shards(arr):
+        n_shards = math.prod(arr.grid)
+        if arr.delta is None and n_shards > len(record.files):  # never enumerate a grid the record cannot hold
+            report.add(MissingShardError(f"tensor {name!r} has {n_shards} shards; the commit record of step {step} "
+                                         f"lists {len(record.files)} files", tensor=name,
+                                         file=f"{step_prefix(step)}/{arr.key}"), step)
+            continue
+        for coords in itertools.product(*(range(g) for g in arr.grid)):
             rel = arr.shard_key(coords)
             expected_files.add(rel)
             if rel not in record.files:
@@ -174,13 +181,15 @@ def _check_shard(repo: Repository, step: int, record: CommitRecord, arr: ArrayMe
             raise ChecksumError(f"shard {key} of tensor {arr.name!r} fails its crc32c", tensor=arr.name, file=key)
         index = parse_index(arr, bytes(data[size - n :]), size, key)
         _check_presence(arr, coords, index, key)
-        for off, nb in index:
+        for ordinal, (off, nb) in enumerate(index):
             if off == EMPTY:
                 continue
             off, nb = int(off), int(nb)
             if _native.crc32c(data[off : off + nb - 4]) != _CRC.unpack(data[off + nb - 4 : off + nb])[0]:
                 raise ChecksumError(f"shard {key}: an inner chunk at offset {off} of tensor {arr.name!r} fails its crc32c",
                                     tensor=arr.name, file=key)
+            if arr.compression is not None:  # a chunk that does not decode is as unreadable as a bad crc
+                decode_chunk(arr, memoryview(bytes(data[off : off + nb - 4])), key, (ordinal,))  # no view of the mmap
         report.bytes_checked += size
 
 
