@@ -10,7 +10,13 @@ import pytest
 import torch
 
 import ucl
-from ucl.errors import CheckpointNotFoundError, InvalidArgumentError, StepExistsError, TensorNotFoundError
+from ucl.errors import (
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    InvalidNameError,
+    StepExistsError,
+    TensorNotFoundError,
+)
 from ucl.names import flatten
 
 
@@ -194,5 +200,6 @@ def test_zarr_python_reads_after_import_ucl(tmp_path) -> None:
 def test_flatten_refuses_pickles_and_bad_keys() -> None:
     with pytest.raises(InvalidArgumentError, match="never pickles"):
         flatten({"a": object()})
-    with pytest.raises(Exception, match="contains '/'"):
-        flatten({"a/b": torch.ones(1)})
+    assert list(flatten({"a/b": torch.ones(1)})[0]) == ["a/b"]  # flat keys with '/' are names as they are
+    with pytest.raises(InvalidNameError, match="two tensors of the state dict flatten to the name 'a/b'"):
+        flatten({"a/b": torch.ones(1), "a": {"b": torch.ones(1)}})

@@ -95,10 +95,7 @@ def from_key(key: str) -> str:
 def _key_str(k: object) -> str:
     if isinstance(k, bool) or not isinstance(k, str | int):
         raise InvalidArgumentError(f"state dict keys must be str or int, got {type(k).__name__} ({k!r})")
-    s = str(k)
-    if "/" in s:
-        raise InvalidNameError(f"state dict key {s!r} contains '/', the separator of nested names")
-    return s
+    return str(k)
 
 
 def flatten(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -115,6 +112,8 @@ def flatten(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str
             raise LimitExceededError(f"state dict nests deeper than {MAX_DEPTH} levels at {'/'.join(path)!r}")
         if isinstance(obj, torch.Tensor):
             name = check_name("/".join(path)) if path else "tensor"
+            if name in tensors:  # {"a/b": x, "a": {"b": y}} flatten to the same name
+                raise InvalidNameError(f"two tensors of the state dict flatten to the name {name!r}", tensor=name)
             tensors[name] = obj
             return {"t": "tensor", "name": name}
         if isinstance(obj, Mapping):
