@@ -70,18 +70,12 @@ class DimPlan:
         return self.n if self.regular else len(self.blocks) * self.chunk
 
     def stored_segs(self) -> list[Seg]:
-        """Segments of the stored dim (``local`` = stored coordinate); replicas (equal logical ranges)
-        are listed once, the first in stored order."""
+        """Segments of the stored dim (``local`` = stored coordinate), in stored order. Replicated
+        units (GQA) appear once per block that holds them; readers use the first."""
         if self.regular:
             return [Seg(0, 0, self.n)] if self.n else []
-        out: list[Seg] = []
-        seen: set[tuple[int, int]] = set()
-        for beta, b in enumerate(self.blocks):
-            for s in b.segs:
-                if s.length and (s.logical, s.length) not in seen:
-                    seen.add((s.logical, s.length))
-                    out.append(Seg(beta * self.chunk + s.local, s.logical, s.length))
-        return out
+        return [Seg(beta * self.chunk + s.local, s.logical, s.length)
+                for beta, b in enumerate(self.blocks) for s in b.segs if s.length]
 
 
 def _blocks_plain(n: int, padded: int, sizes: tuple[int, ...]) -> list[Block]:
