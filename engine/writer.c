@@ -52,21 +52,23 @@ static struct { int kind, err; unsigned nth, count; } fault;
 
 void ucl_fault_set(int kind, unsigned nth, int err) {
     __atomic_store_n(&fault.kind, UCL_FAULT_NONE, __ATOMIC_RELEASE);
-    fault.nth = nth;
-    fault.err = err;
-    fault.count = 0;
+    __atomic_store_n(&fault.nth, nth, __ATOMIC_RELAXED);
+    __atomic_store_n(&fault.err, err, __ATOMIC_RELAXED);
+    __atomic_store_n(&fault.count, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&fault.kind, kind, __ATOMIC_RELEASE);
 }
 
 static int fault_hit(int kind) {
     if (__atomic_load_n(&fault.kind, __ATOMIC_ACQUIRE) != kind) return 0;
-    unsigned c = __atomic_add_fetch(&fault.count, 1, __ATOMIC_RELAXED);
-    return fault.nth == 0 || c == fault.nth;
+    unsigned nth = __atomic_load_n(&fault.nth, __ATOMIC_RELAXED);
+    return nth == 0 || __atomic_add_fetch(&fault.count, 1, __ATOMIC_RELAXED) == nth;
 }
+
+static int fault_errno(void) { return __atomic_load_n(&fault.err, __ATOMIC_RELAXED); }
 
 static ssize_t xpwrite(int fd, const void *p, size_t n, uint64_t off, int direct) {
     if (fault_hit(UCL_FAULT_PWRITE)) {
-        errno = fault.err;
+        errno = fault_errno();
         return -1;
     }
     if (n > 1 && fault_hit(UCL_FAULT_SHORT_WRITE)) { /* a real write of fewer bytes, aligned for O_DIRECT */
@@ -78,7 +80,7 @@ static ssize_t xpwrite(int fd, const void *p, size_t n, uint64_t off, int direct
 
 static int xfdatasync(int fd) {
     if (fault_hit(UCL_FAULT_FDATASYNC)) {
-        errno = fault.err;
+        errno = fault_errno();
         return -1;
     }
     return fdatasync(fd);
