@@ -2,7 +2,8 @@
    Encode: (new XOR base | new - base | new) -> byte-plane shuffle -> one zstd frame per byte plane, the
    frame kind chosen per plane from a sampled byte histogram:
      - nearly random plane (entropy >= RAW_BITS):  a frame of raw blocks, written here (a memcpy)
-     - plane of long runs (entropy <= LZ_BITS):   ZSTD_compressCCtx at `level`
+     - plane of long runs (>= LZ_RUNS of its bytes
+       end a run of 8 equal bytes), or ~constant:  ZSTD_compressCCtx at `level`
      - otherwise:                                  literals only (ZSTD_compressSequences with no
                                                    sequence: zstd's Huffman coder, no match search)
    Any zstd decoder reads all three; the decoder below reads any zstd frames with a content size. */
@@ -48,7 +49,8 @@ unsigned ucl_delta_zstd_version(void) { return ZSTD_versionNumber(); }
 
 /* ---- plane selection thresholds (bits per byte, order-0 entropy of a sample) ---------------------- */
 #define RAW_BITS 7.6  /* above: Huffman would save < 5%; store the plane raw */
-#define LZ_BITS 1.5   /* below: mostly runs; zstd's match finder is fast and beats Huffman's 1 bit floor */
+#define LZ_RUNS 0.4   /* above: runs (zero rows, untouched embeddings): the match finder wins, and fast */
+#define LZ_BITS 0.25  /* below: ~constant plane: LZ beats Huffman's floor of 1 bit per byte */
 #define CLOSE 0.025   /* estimates within 2.5%: encode both, keep the smaller (estimates err by ~2%) */
 #define BLK 512
 
@@ -265,8 +267,8 @@ void ucl_delta_unshuffle(const void *src, void *dst, size_t nbytes, int word) { 
 static int word_ok(int word) { return word == 1 || word == 2 || word == 4 || word == 8; }
 
 /* ---- sampled byte histograms -> order-0 entropy per plane ----------------------------------------- */
-#define SAMPLE_BLOCKS 64
-#define SAMPLE_RUN 512 /* words per sampled run */
+#define SAMPLE_BLOCKS 16
+#define SAMPLE_RUN 256 /* words per sampled run: 4096 words, enough for entropy within ~0.05 bit */
 
 static uint64_t load_word(const uint8_t *p, int word) {
     uint64_t v = 0;
@@ -282,11 +284,24 @@ static double entropy(const uint32_t *h, uint32_t total) {
     return log2((double)total) - s / (double)total;
 }
 
-/* bits[k] (entropy of plane k) for the full values and, when base, for the delta. */
-static void sample_entropy(const uint8_t *a, const uint8_t *b, size_t n, int word, int enc, double *bits_full,
-                           double *bits_delta) {
+/* What the sample says of a byte plane: order-0 entropy (bits per byte) and the fraction of its bytes
+   that end a run of 8 equal bytes (what LZ matches cheaply and Huffman cannot go below 1 bit for). */
+struct pstat {
+    double bits, runs;
+};
+
+static void plane_stats(uint32_t (*h)[256], uint32_t *long_runs, uint32_t total, int word, struct pstat *out) {
+    for (int k = 0; k < word; k++) {
+        out[k].bits = entropy(h[k], total);
+        out[k].runs = total ? (double)long_runs[k] / (double)total : 0.0;
+    }
+}
+
+/* Stats of every plane for the full values and, when base, for the delta (else bits 8, runs 0). */
+static void sample_planes(const uint8_t *a, const uint8_t *b, size_t n, int word, int enc, struct pstat *full,
+                          struct pstat *delta) {
     static const uint64_t masks[9] = {0, 0xFFull, 0xFFFFull, 0, 0xFFFFFFFFull, 0, 0, 0, ~0ull};
-    uint32_t hf[8][256], hd[8][256];
+    uint32_t hf[8][256], hd[8][256], lf[8] = {0}, ld[8] = {0};
     memset(hf, 0, sizeof(hf));
     memset(hd, 0, sizeof(hd));
     uint32_t total = 0;
@@ -295,21 +310,41 @@ static void sample_entropy(const uint8_t *a, const uint8_t *b, size_t n, int wor
     size_t stride = runs == 1 ? 0 : (n - run) / (runs - 1);
     for (size_t r = 0; r < runs; r++) {
         size_t i0 = r * stride;
+        uint64_t pv = 0, pd = 0;
+        uint32_t rf[8] = {0}, rd[8] = {0}; /* current run length per plane */
         for (size_t i = i0; i < i0 + run; i++) {
-            uint64_t v = load_word(a + i * (size_t)word, word);
-            for (int k = 0; k < word; k++) hf[k][(v >> (8 * k)) & 0xFF]++;
+            uint64_t v = load_word(a + i * (size_t)word, word), x = v ^ pv;
+            for (int k = 0; k < word; k++) {
+                hf[k][(v >> (8 * k)) & 0xFF]++;
+                rf[k] = ((x >> (8 * k)) & 0xFF) ? 0 : rf[k] + 1;
+                lf[k] += rf[k] >= 7;
+            }
+            pv = v;
             if (b) {
                 uint64_t w = load_word(b + i * (size_t)word, word);
-                uint64_t d = enc == 1 ? (v ^ w) : ((v - w) & masks[word]);
-                for (int k = 0; k < word; k++) hd[k][(d >> (8 * k)) & 0xFF]++;
+                uint64_t d = enc == 1 ? (v ^ w) : ((v - w) & masks[word]), y = d ^ pd;
+                for (int k = 0; k < word; k++) {
+                    hd[k][(d >> (8 * k)) & 0xFF]++;
+                    rd[k] = ((y >> (8 * k)) & 0xFF) ? 0 : rd[k] + 1;
+                    ld[k] += rd[k] >= 7;
+                }
+                pd = d;
             }
         }
         total += (uint32_t)run;
     }
-    for (int k = 0; k < word; k++) {
-        bits_full[k] = entropy(hf[k], total);
-        bits_delta[k] = b ? entropy(hd[k], total) : 8.0;
+    plane_stats(hf, lf, total, word, full);
+    if (b) {
+        plane_stats(hd, ld, total, word, delta);
+    } else {
+        for (int k = 0; k < word; k++) delta[k] = (struct pstat){8.0, 0.0};
     }
+}
+
+enum { P_RAW, P_HUF, P_LZ };
+static int plane_method(struct pstat st) {
+    if (st.bits <= LZ_BITS || st.runs >= LZ_RUNS) return P_LZ;
+    return st.bits >= RAW_BITS ? P_RAW : P_HUF;
 }
 
 /* ---- zstd frames ---------------------------------------------------------------------------------- */
@@ -343,12 +378,13 @@ static size_t put_raw_frame(const uint8_t *src, size_t m, uint8_t *dst) {
     return (size_t)(p - dst);
 }
 
-/* One plane as one frame into dst (room for raw_frame_size(m)); returns its size or 0 on failure. */
-static size_t put_plane(ZSTD_CCtx *cctx, const uint8_t *src, size_t m, double bits, int level, uint8_t *dst) {
+/* One plane as one frame into dst (room for raw_frame_size(m)); returns its size. */
+static size_t put_plane(ZSTD_CCtx *cctx, const uint8_t *src, size_t m, struct pstat st, int level, uint8_t *dst) {
     size_t cap = raw_frame_size(m);
-    if (m == 0 || bits >= RAW_BITS) return put_raw_frame(src, m, dst);
+    int method = plane_method(st);
+    if (m == 0 || method == P_RAW) return put_raw_frame(src, m, dst);
     size_t r;
-    if (bits <= LZ_BITS) {
+    if (method == P_LZ) {
         r = ZSTD_compressCCtx(cctx, dst, cap, src, m, level);
     } else {
         ZSTD_CCtx_reset(cctx, ZSTD_reset_session_and_parameters);
@@ -360,23 +396,91 @@ static size_t put_plane(ZSTD_CCtx *cctx, const uint8_t *src, size_t m, double bi
     return r;
 }
 
+/* ---- per-thread zstd contexts and scratch buffers --------------------------------------------------
+   Creating a zstd context and touching fresh scratch pages costs more than encoding a small chunk, so
+   each thread keeps its contexts and two grow-only buffers (up to CACHE_MAX bytes each) until it exits
+   (pthread key destructor) or calls ucl_delta_thread_release(). */
+#include <pthread.h>
+#define CACHE_MAX ((size_t)64 << 20)
+struct tcache {
+    ZSTD_CCtx *c;
+    ZSTD_DCtx *d;
+    uint8_t *buf[2];
+    size_t cap[2];
+};
+static pthread_key_t tkey;
+static pthread_once_t tonce = PTHREAD_ONCE_INIT;
+static int tkey_ok;
+
+static void tcache_free(void *p) {
+    struct tcache *t = p;
+    if (!t) return;
+    if (t->c) ZSTD_freeCCtx(t->c);
+    if (t->d) ZSTD_freeDCtx(t->d);
+    free(t->buf[0]);
+    free(t->buf[1]);
+    free(t);
+}
+static void tkey_make(void) { tkey_ok = pthread_key_create(&tkey, tcache_free) == 0; }
+static struct tcache *tcache(void) {
+    pthread_once(&tonce, tkey_make);
+    if (!tkey_ok) return NULL;
+    struct tcache *t = pthread_getspecific(tkey);
+    if (!t) {
+        t = calloc(1, sizeof *t);
+        if (!t) return NULL;
+        if (pthread_setspecific(tkey, t) != 0) {
+            free(t);
+            return NULL;
+        }
+    }
+    return t;
+}
+void ucl_delta_thread_release(void) {
+    pthread_once(&tonce, tkey_make);
+    if (!tkey_ok) return;
+    tcache_free(pthread_getspecific(tkey));
+    pthread_setspecific(tkey, NULL);
+}
+/* A buffer of n bytes: the thread's cached one when it fits under CACHE_MAX, else a fresh malloc
+   (*owned = 1: the caller frees it). */
+static uint8_t *tbuf(struct tcache *t, int i, size_t n, int *owned) {
+    if (n == 0) n = 1;
+    *owned = 0;
+    if (!t || n > CACHE_MAX) {
+        *owned = 1;
+        return malloc(n);
+    }
+    if (t->cap[i] < n) {
+        free(t->buf[i]);
+        t->buf[i] = malloc(n);
+        t->cap[i] = t->buf[i] ? n : 0;
+    }
+    return t->buf[i];
+}
+
 size_t ucl_delta_bound(size_t nbytes, int word) {
     if (!word_ok(word)) return 0;
     return 1 + (size_t)word * raw_frame_size(nbytes / (size_t)word);
 }
 
 /* mode byte + one frame per plane of the shuffled buffer `sh`. */
-static size_t put_payload(ZSTD_CCtx *cctx, int mode, const uint8_t *sh, size_t nbytes, int word, const double *bits,
-                          int level, uint8_t *out) {
+static size_t put_payload(ZSTD_CCtx *cctx, int mode, const uint8_t *sh, size_t nbytes, int word,
+                          const struct pstat *st, int level, uint8_t *out) {
     size_t n = nbytes / (size_t)word, pos = 1;
     out[0] = (uint8_t)mode;
-    for (int k = 0; k < word; k++) pos += put_plane(cctx, sh + (size_t)k * n, n, bits[k], level, out + pos);
+    for (int k = 0; k < word; k++) pos += put_plane(cctx, sh + (size_t)k * n, n, st[k], level, out + pos);
     return pos;
 }
 
-static double estimate(const double *bits, int word, size_t n) {
+/* Estimated payload bytes: entropy for Huffman planes, entropy of what the runs leave for LZ planes. */
+static double estimate(const struct pstat *st, int word, size_t n) {
     double s = 0.0;
-    for (int k = 0; k < word; k++) s += (bits[k] >= RAW_BITS ? 8.0 : bits[k]) * (double)n / 8.0;
+    for (int k = 0; k < word; k++) {
+        int method = plane_method(st[k]);
+        double bits = method == P_RAW ? 8.0 : method == P_LZ ? st[k].bits * (1.0 - st[k].runs) : st[k].bits;
+        s += bits * (double)n / 8.0;
+    }
     return s;
 }
 
@@ -387,8 +491,8 @@ int64_t ucl_delta_encode(const void *new_, const void *base, size_t nbytes, int 
         return UCL_DELTA_E_ARG;
     if (base && memcmp(new_, base, nbytes) == 0) return 0;
     size_t n = nbytes / (size_t)word;
-    double bf[8], bd[8];
-    sample_entropy(new_, base, n, word, encoding, bf, bd);
+    struct pstat bf[8], bd[8];
+    sample_planes(new_, base, n, word, encoding, bf, bd);
     int try_delta = 1, try_full = 1;
     if (base) {
         double ef = estimate(bf, word, n), ed = estimate(bd, word, n);
@@ -397,8 +501,14 @@ int64_t ucl_delta_encode(const void *new_, const void *base, size_t nbytes, int 
     } else {
         try_delta = 0;
     }
-    uint8_t *sh = scratch ? scratch : malloc(nbytes ? nbytes : 1);
-    ZSTD_CCtx *cctx = ZSTD_createCCtx();
+    struct tcache *tc = tcache();
+    int own_sh = 0, own_alt = 0;
+    uint8_t *sh = scratch ? scratch : tbuf(tc, 0, nbytes, &own_sh);
+    ZSTD_CCtx *cctx = tc ? tc->c : NULL;
+    if (!cctx) {
+        cctx = ZSTD_createCCtx();
+        if (tc) tc->c = cctx;
+    }
     uint8_t *alt = NULL;
     int64_t result = UCL_DELTA_E_NOMEM;
     if (!sh || !cctx) goto done;
@@ -410,7 +520,7 @@ int64_t ucl_delta_encode(const void *new_, const void *base, size_t nbytes, int 
     if (try_full) {
         fwd(new_, NULL, sh, nbytes, word, 0);
         if (try_delta) {
-            alt = malloc(out_cap);
+            alt = tbuf(tc, 1, out_cap, &own_alt);
             if (!alt) goto done;
             size_t lf = put_payload(cctx, UCL_DELTA_MODE_FULL, sh, nbytes, word, bf, level, alt);
             if (lf < len) {
@@ -423,9 +533,9 @@ int64_t ucl_delta_encode(const void *new_, const void *base, size_t nbytes, int 
     }
     result = (int64_t)len;
 done:
-    free(alt);
-    if (sh != scratch) free(sh);
-    if (cctx) ZSTD_freeCCtx(cctx);
+    if (own_alt) free(alt);
+    if (own_sh) free(sh);
+    if (!tc && cctx) ZSTD_freeCCtx(cctx);
     return result;
 }
 
@@ -438,8 +548,14 @@ int ucl_delta_decode(const void *payload, size_t len, const void *base, void *ou
     if (mode_out) *mode_out = mode;
     if (mode > UCL_DELTA_MODE_SUB) return UCL_DELTA_E_MODE;
     if (mode != UCL_DELTA_MODE_FULL && !base) return UCL_DELTA_E_NOBASE;
-    uint8_t *sh = scratch ? scratch : malloc(nbytes ? nbytes : 1);
-    ZSTD_DCtx *dctx = ZSTD_createDCtx();
+    struct tcache *tc = tcache();
+    int own_sh = 0;
+    uint8_t *sh = scratch ? scratch : tbuf(tc, 0, nbytes, &own_sh);
+    ZSTD_DCtx *dctx = tc ? tc->d : NULL;
+    if (!dctx) {
+        dctx = ZSTD_createDCtx();
+        if (tc) tc->d = dctx;
+    }
     int rc = UCL_DELTA_E_NOMEM;
     if (!sh || !dctx) goto done;
     size_t pos = 1, got = 0;
@@ -480,8 +596,8 @@ int ucl_delta_decode(const void *payload, size_t len, const void *base, void *ou
     inv(sh, base, out, nbytes, word, mode);
     rc = 0;
 done:
-    if (sh != scratch) free(sh);
-    if (dctx) ZSTD_freeDCtx(dctx);
+    if (own_sh) free(sh);
+    if (!tc && dctx) ZSTD_freeDCtx(dctx);
     return rc;
 }
 
@@ -590,6 +706,11 @@ static PyObject *py_bound(PyObject *self, PyObject *args) {
     return PyLong_FromSize_t(n < 0 ? 0 : ucl_delta_bound((size_t)n, word));
 }
 
+static PyObject *py_release(PyObject *self, PyObject *noargs) {
+    ucl_delta_thread_release();
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_zstd_version(PyObject *self, PyObject *noargs) { return PyLong_FromUnsignedLong(ucl_delta_zstd_version()); }
 
 static PyMethodDef methods[] = {
@@ -599,6 +720,7 @@ static PyMethodDef methods[] = {
     {"unshuffle", py_unshuffle, METH_VARARGS, NULL},
     {"bound", py_bound, METH_VARARGS, NULL},
     {"zstd_version", py_zstd_version, METH_NOARGS, NULL},
+    {"release", py_release, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,7 +1,8 @@
 /* Delta chunk codec (spec/delta.md §5): one inner chunk of a delta step, as
        mode byte || zstd stream of the byte-plane shuffle of (values | new XOR base | new - base).
-   Pure functions on memory: no I/O, no Python, safe to call from any thread (each call uses its own
-   zstd contexts). The Python binding (ucl._delta) is at the end of delta.c, compiled only with
+   Pure functions on memory: no I/O, no Python, safe to call from any thread. Each thread keeps its zstd
+   contexts and two grow-only scratch buffers (each at most 64 MiB) between calls, freed when the thread
+   exits or calls ucl_delta_thread_release(). The Python binding (ucl._delta) is at the end of delta.c, compiled only with
    UCL_DELTA_PYTHON defined. */
 #ifndef UCL_DELTA_H
 #define UCL_DELTA_H
@@ -45,6 +46,9 @@ int ucl_delta_decode(const void *payload, size_t len, const void *base, void *ou
 /* Byte-plane shuffle primitives (exposed for tests and the reference cross-check). */
 void ucl_delta_shuffle(const void *src, void *dst, size_t nbytes, int word);
 void ucl_delta_unshuffle(const void *src, void *dst, size_t nbytes, int word);
+
+/* Free the calling thread's cached zstd contexts and scratch buffers (they come back on next use). */
+void ucl_delta_thread_release(void);
 
 /* Version of the zstd library in use (e.g. 10504). */
 unsigned ucl_delta_zstd_version(void);
