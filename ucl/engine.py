@@ -95,9 +95,10 @@ class _Job:
     plan: saveplan.SavePlan
     tree: dict[str, Any]
     staged: dict[str, torch.Tensor]
-    slot: _Slot
+    slot: _Slot | None
     handle: SaveHandle
     last_piece: bool = True
+    error: BaseException | None = None  # staging failed after earlier pieces were queued
 
 
 # -- the manager -----------------------------------------------------------------------------------
@@ -202,8 +203,18 @@ class CheckpointManager:
             return SaveHandle(step, skipped=True)
         self._pending.append(handle)
         for i, piece in enumerate(pieces):
-            slot = self._acquire_slot(sum(tensors[s].numel() * tensors[s].element_size() for s in piece))
-            staged = self._stage(slot, {s: tensors[s] for s in piece})
+            slot = self._acquire_slot(sum(_aligned(tensors[s].numel() * tensors[s].element_size()) for s in piece))
+            try:
+                staged = self._stage(slot, {s: tensors[s] for s in piece})
+            except BaseException as e:
+                self._release(slot)
+                if i == 0:  # nothing queued yet: this save simply fails
+                    self._pending.remove(handle)
+                    raise
+                # earlier pieces are queued: fail the step through its last piece
+                self._queue.put(_Job(step, saveplan.SavePlan(plan.arrays, []), tree, {}, None, handle,
+                                     error=e))
+                raise
             sub = saveplan.SavePlan(plan.arrays, [w for w in plan.writes if w.source in piece], plan.layout, plan.mesh)
             self._queue.put(_Job(step, sub, tree, staged, slot, handle, last_piece=i == len(pieces) - 1))
         handle.staged_s = time.perf_counter() - t0
@@ -276,6 +287,11 @@ class CheckpointManager:
             slot.busy = True
             return slot
 
+    def _release(self, slot: _Slot) -> None:
+        with self._slot_free:
+            slot.busy = False
+            self._slot_free.notify_all()
+
     def _pin(self) -> bool:
         return torch.cuda.is_available()
 
@@ -314,15 +330,16 @@ class CheckpointManager:
             if job is None:
                 return
             try:
-                if job.step not in failed:
+                if job.error is not None:
+                    failed.setdefault(job.step, job.error)
+                elif job.step not in failed:
                     files = self._write_shards(job)
                     collected.setdefault(job.step, {}).update(files)
             except BaseException as e:  # noqa: BLE001 - any failure fails this save's handle
                 failed[job.step] = e
             finally:
-                with self._slot_free:
-                    job.slot.busy = False
-                    self._slot_free.notify_all()
+                if job.slot is not None:
+                    self._release(job.slot)
             if not job.last_piece:
                 continue
             err = failed.pop(job.step, None)

@@ -176,3 +176,11 @@ def test_bad_arguments(tmp_path) -> None:
     mgr.close()
     with pytest.raises(InvalidArgumentError, match="closed"):
         mgr.save(1, {"s": torch.tensor(1)})
+
+
+def test_many_small_tensors_fit_their_slot(tmp_path) -> None:
+    # each staged tensor starts on a 4 KiB boundary: 300 one-element tensors need 300 pages of slot
+    sd = {f"t{i}": torch.tensor([float(i)]) for i in range(300)}
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, sd).result()
+    assert_same(ucl.load(tmp_path), sd)
