@@ -11,6 +11,8 @@ Rows (GB/s = 1e9 bytes/s, from open to fsync done, median and best of --repeat r
 - Python write + fsync: one buffered file.write of the whole buffer, then os.fsync
 
 Sources are warm (page-touched) numpy buffers, so the figures are about the disk, not page faults.
+CPU s/GB is this process's CPU time (all its threads, user + system) per GB written; the kernel's
+writeback threads, which do the buffered rows' disk work, are not in it.
 """
 
 from __future__ import annotations
@@ -123,14 +125,18 @@ def main() -> None:
             "Python write + fsync": lambda: _python_buffered(d, unaligned),
         }
         runs: dict[str, list[float]] = {name: [] for name in rows}
+        cpu: dict[str, list[float]] = {name: [] for name in rows}
         for _ in range(args.repeat):  # in turn, so a busy moment of a shared disk hits every row
             for name, fn in rows.items():
+                c0 = time.process_time()
                 runs[name].append(fn())
+                cpu[name].append((time.process_time() - c0) / (nbytes / 1e9))
         print(f"{nbytes / (1 << 30):.2f} GiB per file, {args.repeat} runs, dir {os.path.abspath(d)}")
-        print(f"{'':40} {'median GB/s':>12} {'best GB/s':>10}   runs")
+        print(f"{'':36} {'median GB/s':>11} {'best':>6} {'CPU s/GB':>9}   runs (GB/s)")
         for name, r in runs.items():
             print(
-                f"{name:40} {statistics.median(r):12.2f} {max(r):10.2f}   " + " ".join(f"{x:.2f}" for x in r)
+                f"{name:36} {statistics.median(r):11.2f} {max(r):6.2f} {statistics.median(cpu[name]):9.2f}   "
+                + " ".join(f"{x:.2f}" for x in r)
             )
 
 

@@ -40,7 +40,7 @@ typedef struct pyjob {
 typedef struct {
     PyObject_HEAD
     ucl_pool *pool;
-    pyjob *jobs;
+    pyjob *jobs, *last; /* oldest first: waits in submission order find theirs at the head */
     long long next_id;
 } PoolObject;
 
@@ -50,9 +50,13 @@ static void release_views(pyjob *pj) {
 }
 
 static void drop_job(PoolObject *self, pyjob *pj) {
-    pyjob **link = &self->jobs;
-    while (*link != pj) link = &(*link)->next;
+    pyjob **link = &self->jobs, *prev = NULL;
+    while (*link != pj) {
+        prev = *link;
+        link = &(*link)->next;
+    }
     *link = pj->next;
+    if (self->last == pj) self->last = prev;
     release_views(pj);
     PyMem_Free(pj->views);
     ucl_job_free(pj->job);
@@ -123,8 +127,9 @@ static PyObject *pool_submit(PoolObject *self, PyObject *args) {
     }
     Py_DECREF(seq);
     pj->id = self->next_id++;
-    pj->next = self->jobs;
-    self->jobs = pj;
+    if (self->last) self->last->next = pj;
+    else self->jobs = pj;
+    self->last = pj;
     return PyLong_FromLongLong(pj->id);
 fail:
     if (pj) release_views(pj);
@@ -174,7 +179,7 @@ static PyObject *pool_jobs(PoolObject *self, PyObject *noargs) {
     PyObject *out = PyList_New(0);
     for (pyjob *pj = self->jobs; out && pj; pj = pj->next) {
         PyObject *id = PyLong_FromLongLong(pj->id);
-        if (!id || PyList_Insert(out, 0, id)) Py_CLEAR(out);
+        if (!id || PyList_Append(out, id)) Py_CLEAR(out);
         Py_XDECREF(id);
     }
     return out;
