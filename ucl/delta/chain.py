@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ucl.delta.codec import Backend, decode_chunk
+from ucl.delta.codec import ENCODINGS, MODE_FULL, Backend, decode_chunk
 from ucl.delta.records import DeltaRecord
 from ucl.errors import DeltaChainError, FormatError, IntegrityError, LimitExceededError, UCLError
 
@@ -230,8 +230,12 @@ def reconstruct_inner(links: Sequence[ArrayInfo], coords: tuple[int, ...], read_
             break
         if data is None:
             continue
+        mode = data[0] if len(data) else -1
+        if mode not in (MODE_FULL, ENCODINGS.get(link.delta.encoding or "", -1)):  # type: ignore[union-attr]
+            raise DeltaChainError(f"{_where(link, coords, top)}: payload mode {mode} is neither 0 (full) nor that of "
+                                  f"the array's encoding {link.delta.encoding!r}", tensor=name)  # type: ignore[union-attr]
         pending.append((link, data))
-        if len(data) and data[0] == 0:  # full values: older links are not needed
+        if mode == MODE_FULL:  # full values: older links are not needed
             break
     for link, payload in reversed(pending):
         try:
