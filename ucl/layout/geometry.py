@@ -74,8 +74,12 @@ class DimPlan:
         units (GQA) appear once per block that holds them; readers use the first."""
         if self.regular:
             return [Seg(0, 0, self.n)] if self.n else []
-        return [Seg(beta * self.chunk + s.local, s.logical, s.length)
-                for beta, b in enumerate(self.blocks) for s in b.segs if s.length]
+        return [
+            Seg(beta * self.chunk + s.local, s.logical, s.length)
+            for beta, b in enumerate(self.blocks)
+            for s in b.segs
+            if s.length
+        ]
 
 
 def _blocks_plain(n: int, padded: int, sizes: tuple[int, ...]) -> list[Block]:

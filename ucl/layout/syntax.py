@@ -190,9 +190,7 @@ class _Parser:
             name = self.name()
             self.take("=")
             axes.append((name, self.integer("an axis size")))
-        if not axes:
-            raise self.error("an axis, like tp=4")
-        return Mesh(tuple(axes))
+        return Mesh(tuple(axes))  # no axes: the one-rank mesh
 
     def patterns(self) -> tuple[str, ...]:
         out = [self.string("a pattern string")]
@@ -368,7 +366,7 @@ def format_layout(layout: Layout) -> str:
     """The canonical text of ``layout``: header, mesh, renumber statements, rules, flat statements."""
     lines = [f"{HEADER} {layout.version}"]
     if layout.mesh is not None:
-        lines.append(f"mesh {layout.mesh.to_text()}")
+        lines.append(f"mesh {layout.mesh.to_text()}".rstrip())
     for n in layout.renumbers:
         target = f"[{', '.join(str(b) for b in n.bounds)}]" if n.bounds is not None else str(n.count)
         lines.append(f"renumber {', '.join(_s(p) for p in n.patterns)} over {n.axis}: {target}")
