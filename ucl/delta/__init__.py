@@ -8,6 +8,7 @@ callbacks that read metadata and inner chunks.
 - :func:`choose_encoding`: the writer's per-tensor choice of ``"xor"`` or ``"sub"``.
 - :func:`resolve_chain`, :func:`resolve_array_chain`, :func:`reconstruct_inner`: chains of steps.
 - :class:`DeltaRecord`: the array's ``attributes.ucl.delta`` and its ``ucl.delta`` codec.
+- :func:`validate_chain`: spec/delta.md §7 for ``ucl.validator`` (reads through the repository).
 """
 
 from ucl.delta.chain import (
@@ -32,6 +33,7 @@ from ucl.delta.codec import (
     payload_mode,
 )
 from ucl.delta.records import CODEC_NAME, DeltaRecord, GradientRecords, OptimizerFingerprint, parse_codec
+from ucl.delta.validate import validate_chain
 
 __all__ = [
     "CODEC_NAME",
@@ -56,4 +58,5 @@ __all__ = [
     "reconstruct_inner",
     "resolve_array_chain",
     "resolve_chain",
+    "validate_chain",
 ]
