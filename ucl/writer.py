@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from ucl.shard import choose_inner_chunk, encode_shard
 from ucl.storage import Store
 
 FileEntry = tuple[int, int]  # (size, crc32c)
+COMMIT_THREADS = 16
 
 
 def array_for(name: str, t: torch.Tensor, chunk_shape: tuple[int, ...] | None = None,
@@ -86,14 +88,19 @@ class StepWriter:
     def commit(self, meta: StepMeta, files: Mapping[str, FileEntry]) -> CommitRecord:
         entries = dict(files)
         doc = meta.to_dict()
-        for rel, node in doc["consolidated_metadata"]["metadata"].items():
-            entries[f"{rel}/zarr.json"] = self.store.write(f"{self.prefix}/{rel}/zarr.json", [metadata.dumps(node)])
-        entries["zarr.json"] = self.store.write(f"{self.prefix}/zarr.json", [metadata.dumps(doc)])
-        if self.store.is_local:
-            dirs = {os.path.dirname(f"{self.prefix}/{rel}") for rel in entries}
-            for d in sorted(dirs, key=len, reverse=True):
-                self.store.sync_dir(d)
-            self.store.sync_dir("steps")
+        docs = {f"{rel}/zarr.json": metadata.dumps(node) for rel, node in doc["consolidated_metadata"]["metadata"].items()}
+        docs["zarr.json"] = metadata.dumps(doc)
+        # Hundreds of small files and directories each need an fsync: issue them concurrently (the
+        # filesystem's journal commits them together) instead of paying one commit per file.
+        with ThreadPoolExecutor(COMMIT_THREADS, thread_name_prefix="ucl-commit") as pool:
+            written = pool.map(lambda kv: (kv[0], self.store.write(f"{self.prefix}/{kv[0]}", [kv[1]])), docs.items())
+            entries.update(written)
+            if self.store.is_local:
+                dirs = {self.prefix, "steps"}
+                for rel in entries:
+                    parts = f"{self.prefix}/{rel}".split("/")[:-1]
+                    dirs.update("/".join(parts[:i]) for i in range(3, len(parts) + 1))
+                list(pool.map(self.store.sync_dir, sorted(dirs)))
         record = CommitRecord(step=self.step, kind=meta.kind, parent=meta.parent, files=entries)
         self.store.write_atomic(commit_key(self.step), record.to_bytes())
         return record
