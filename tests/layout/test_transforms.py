@@ -22,9 +22,9 @@ from ucl.layout import (
     shard_local_state,
 )
 from ucl.layout.builtins import megatron_gpt, megatron_gpt_params, zero_flat
-from ucl.layout.geometry import make_tile
 from ucl.layout.model import Rule, Shard
 from ucl.layout.reference import apply_reads, read_logical
+from ucl.layout.transforms import make_tile
 
 from .helpers import assert_same, local_shapes, make_full, save
 
@@ -97,7 +97,7 @@ placements = st.sampled_from(["R", "S0", "S1"])
     strided=st.booleans(),
 )
 def test_nested_shards_match_dtensor(shape, m0, m1, p0, p1, strided):
-    """DTensor shards left to right over mesh dims; _StridedShard(d, sf) then Shard(d) splits right to left."""
+    """DTensor shards left to right over mesh dims; _StridedShard(d, sf) then Shard(d) right to left."""
 
     def dplace(p):
         return None if p == "R" else DShard(int(p[1]))

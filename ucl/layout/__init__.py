@@ -27,21 +27,9 @@ from ucl.layout.model import (
     Size,
     check_mesh,
 )
-from ucl.layout.planner import (
-    ArraySpec,
-    LoadPlan,
-    LogicalIndex,
-    ReadItem,
-    SavePlan,
-    ShardWrite,
-    infer_shapes,
-    logical_read,
-    logical_tensors,
-    merge_plans,
-    plan_load,
-    plan_save,
-    stored_chunks,
-)
+from ucl.layout.planner import infer_shapes, merge_plans, plan_save, stored_chunks
+from ucl.layout.plans import ArraySpec, LoadPlan, ReadItem, SavePlan, ShardWrite
+from ucl.layout.reading import LogicalIndex, logical_read, logical_tensors, plan_load
 from ucl.layout.reference import shard_local_state, unshard
 from ucl.layout.syntax import format_layout, parse_layout
 

@@ -50,7 +50,7 @@ def _transforms(
     per_dim: dict[int, list[tuple[str, int | None]]] = {}
     partial: list[str] = []
     for axis, p in zip(dims, placements, strict=True):
-        if isinstance(p, _StridedShard):  # type: ignore[arg-type]
+        if isinstance(p, _StridedShard):
             per_dim.setdefault(p.dim, []).append((axis, int(p.split_factor)))
         elif isinstance(p, DShard):
             per_dim.setdefault(p.dim, []).append((axis, None))

@@ -6,7 +6,7 @@ A :class:`Layout` is checked on construction for what can be checked without a m
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -247,7 +247,7 @@ def _placement_dict(p: Placement) -> dict[str, list[int]]:
     return {a: list(i) for a, i in p}
 
 
-def placement_allows(p: Placement, mesh: Mesh, coords: dict[str, int]) -> bool:
+def placement_allows(p: Placement, mesh: Mesh, coords: Mapping[str, int]) -> bool:
     for axis, idx in p:
         size = mesh.axis_size(axis)
         if coords[axis] not in {i % size for i in idx if -size <= i < size}:

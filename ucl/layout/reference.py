@@ -16,16 +16,9 @@ from ucl import dtypes as _dtypes
 from ucl.layout.boxes import Box, View
 from ucl.layout.mesh import Mesh
 from ucl.layout.model import Layout
-from ucl.layout.planner import (
-    ArraySpec,
-    LoadPlan,
-    LogicalIndex,
-    SavePlan,
-    dtype_name,
-    infer_shapes,
-    merge_plans,
-    plan_save,
-)
+from ucl.layout.planner import infer_shapes, merge_plans, plan_save
+from ucl.layout.plans import ArraySpec, LoadPlan, SavePlan, dtype_name
+from ucl.layout.reading import LogicalIndex
 from ucl.layout.resolve import expected_local
 
 

@@ -12,9 +12,9 @@ from typing import Any
 from ucl.errors import LayoutShapeError, OverlappingRulesError, UnmatchedPatternError
 from ucl.layout import patterns
 from ucl.layout.boxes import Box, View, flat_range_boxes, intersect, ravel
-from ucl.layout.geometry import Tile, make_tile
 from ucl.layout.mesh import Mesh
 from ucl.layout.model import Layout, Rule, check_mesh, placement_allows, placement_values
+from ucl.layout.transforms import Tile, make_tile
 
 Shapes = Mapping[str, tuple[tuple[int, ...], str]]  # name -> (shape, dtype)
 
@@ -331,10 +331,10 @@ def expected_local(
         res.rule_for(name)
         member = res.flat_member_of(name)
         if member is not None:
-            fi, m, state, need = member
+            fi, mname, state, need = member
             f = layout.flats[fi]
             if all(coords[a] == s for a, s in need.items()) and placement_allows(f.on, mesh, coords):
-                found.setdefault((fi, state), {})[m] = name
+                found.setdefault((fi, state), {})[mname] = name
             continue
         local = res.holds(name, coords)
         if local is None:

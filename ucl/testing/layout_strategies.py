@@ -28,7 +28,7 @@ STATES = ("a", "b")
 
 @st.composite
 def meshes(draw: Any, max_axes: int = 3, max_size: int = 4, max_ranks: int = 8) -> Mesh:
-    """A mesh of up to ``max_axes`` axes (names from AXES, in random order) with at most ``max_ranks`` ranks."""
+    """A mesh of up to ``max_axes`` axes (names from AXES, in random order), at most ``max_ranks`` ranks."""
     names = draw(st.lists(st.sampled_from(AXES), unique=True, min_size=0, max_size=max_axes))
     axes = []
     total = 1
@@ -188,6 +188,7 @@ def layouts(draw: Any) -> Layout:
     """A random valid layout (for syntax and JSON round trips), sometimes declaring its mesh."""
     spec = draw(logical_specs())
     mesh, layout = draw(configs(spec))
+    out: Layout = layout
     if draw(st.booleans()):
-        return Layout(layout.rules, layout.renumbers, layout.flats, mesh)
-    return layout
+        out = Layout(layout.rules, layout.renumbers, layout.flats, mesh)
+    return out

@@ -1,0 +1,177 @@
+"""Reading: the logical tensors of a step's arrays, boxes of them, and loads for a target configuration
+(spec/layout.md §6.4, §9). Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ucl.errors import LayoutError, LayoutShapeError, TensorNotFoundError
+from ucl.layout.boxes import Box, View, contiguous_runs, full, intersect, numel
+from ucl.layout.mesh import Mesh
+from ucl.layout.model import Layout
+from ucl.layout.plans import ArraySpec, LoadPlan, ReadItem
+from ucl.layout.resolve import LocalTensor, Piece, expected_local
+
+
+@dataclass(frozen=True)
+class _Map:
+    array: str
+    box: Box  # in the logical tensor
+    at: tuple[int, ...]  # where the box starts in the stored array (or in the view)
+    view: View | None
+    partial: int  # K contributions (0: not partial)
+
+
+class LogicalIndex:
+    """The logical tensors of a step's arrays and where their elements are stored (spec/layout.md §6)."""
+
+    def __init__(self, arrays: Mapping[str, ArraySpec]) -> None:
+        self.arrays = dict(arrays)
+        self.tensors: dict[str, tuple[tuple[int, ...], str]] = {}
+        self.maps: dict[str, list[_Map]] = defaultdict(list)
+        for name in sorted(arrays):
+            spec = arrays[name]
+            rec = spec.logical
+            if not rec:
+                self._tensor(name, spec.shape, spec.dtype, name)
+                self.maps[name].append(_Map(name, full(spec.shape), tuple(0 for _ in spec.shape), None, 0))
+                continue
+            for t, info in rec["tensors"].items():
+                self._tensor(t, tuple(info["shape"]), info["dtype"], name)
+            k = rec.get("partial", {}).get("count", 0)
+            for m in rec["maps"]:
+                view = (m["view"]["offset"], tuple(m["view"]["shape"])) if "view" in m else None
+                box = (tuple(m["box"][0]), tuple(m["box"][1]))
+                self.maps[m["tensor"]].append(_Map(name, box, tuple(m["at"]), view, k))
+        for t, maps in self.maps.items():  # replicas: the first map of a box wins
+            seen: set[Box] = set()
+            self.maps[t] = [m for m in maps if not (m.box in seen or seen.add(m.box))]  # type: ignore[func-returns-value]
+
+    def _tensor(self, name: str, shape: tuple[int, ...], dtype: str, array: str) -> None:
+        old = self.tensors.setdefault(name, (shape, dtype))
+        if old != (shape, dtype):
+            raise LayoutShapeError(
+                f"array {array!r} gives tensor {name!r} shape {list(shape)} {dtype}; another "
+                f"array gives {list(old[0])} {old[1]}",
+                tensor=name,
+            )
+
+    def partial(self, name: str) -> int:
+        """The number of partial contributions stored for ``name`` (0 when it is not partial)."""
+        return max((m.partial for m in self.maps.get(name, [])), default=0)
+
+    def read(
+        self, name: str, box: Box, *, contribution: int | None = None, sum_partial: bool = False
+    ) -> list[tuple[str, Box, Box]]:
+        return [
+            (a, s, r)
+            for a, s, r, _ in self.read_parts(name, box, contribution=contribution, sum_partial=sum_partial)
+        ]
+
+    def read_parts(
+        self, name: str, box: Box, *, contribution: int | None = None, sum_partial: bool = False
+    ) -> list[tuple[str, Box, Box, int]]:
+        """(array, stored box, box within the requested result) that together give ``box`` of ``name``.
+
+        For a partial tensor pass ``contribution`` (one rank's part) or ``sum_partial=True``: then the
+        entries for the same result box are to be summed, in the order given.
+        """
+        if name not in self.tensors:
+            raise TensorNotFoundError(f"no tensor {name!r} in the step", tensor=name)
+        shape = self.tensors[name][0]
+        if len(box[0]) != len(shape) or any(
+            s < 0 or s + n > d for s, n, d in zip(box[0], box[1], shape, strict=True)
+        ):
+            raise LayoutShapeError(
+                f"box {box} is outside tensor {name!r} of shape {list(shape)}", tensor=name
+            )
+        out: list[tuple[str, Box, Box, int]] = []
+        for m in self.maps[name]:
+            inter = intersect(box, m.box)
+            if inter is None:
+                continue
+            at = tuple(a + i - s for a, i, s in zip(m.at, inter[0], m.box[0], strict=True))
+            result = (tuple(i - b for i, b in zip(inter[0], box[0], strict=True)), inter[1])
+            if m.view is None:
+                pieces = [((at, inter[1]), result)]
+            else:
+                off, vshape = m.view
+                pieces = []
+                for flat, (rs, rn) in contiguous_runs(vshape, (at, inter[1])):
+                    sub = (tuple(r - a + q for r, a, q in zip(rs, at, result[0], strict=True)), rn)
+                    pieces.append((((off + flat,), (math.prod(rn),)), sub))
+            if m.partial:
+                if contribution is None and not sum_partial:
+                    raise LayoutError(
+                        f"tensor {name!r} is stored as {m.partial} partial contributions; read one "
+                        "(contribution=) or their sum (sum_partial=True)",
+                        tensor=name,
+                    )
+                ks = [contribution] if contribution is not None else list(range(m.partial))
+                for k in ks:
+                    out.extend((m.array, ((k, *sb[0]), (1, *sb[1])), rb, k) for sb, rb in pieces)
+            else:
+                out.extend((m.array, sb, rb, 0) for sb, rb in pieces)
+        return out
+
+
+def logical_tensors(arrays: Mapping[str, ArraySpec]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The logical tensors stored in ``arrays``: name -> (shape, dtype)."""
+    return dict(sorted(LogicalIndex(arrays).tensors.items()))
+
+
+def logical_read(
+    arrays: Mapping[str, ArraySpec], name: str, box: Box, *, sum_partial: bool = False
+) -> list[tuple[str, Box, Box]]:
+    """(array, stored box, box within the requested result) that together give ``box`` of logical ``name``.
+
+    Every element of the result is covered exactly once (for partial tensors with ``sum_partial``, once
+    per contribution, to be summed in the order given). A stored box of a flat array is 1-D; it fills
+    its result box in row-major order. Build a :class:`LogicalIndex` once to read many tensors.
+    """
+    return LogicalIndex(arrays).read(name, box, sum_partial=sum_partial)
+
+
+def plan_load(arrays: Mapping[str, ArraySpec], layout: Layout, mesh: Mesh, rank: int) -> LoadPlan:
+    """The tensors ``rank`` of the target configuration (layout, mesh) holds and the boxes to read.
+
+    Raises
+    ------
+    MeshMismatchError, UnmatchedPatternError, OverlappingRulesError, LayoutShapeError
+        When the target layout does not fit the stored tensors.
+    """
+    index = LogicalIndex(arrays)
+    local = expected_local(layout, mesh, rank, index.tensors)
+    items: list[ReadItem] = []
+    zero: set[str] = set()
+    for name, lt in local.items():
+        covered = 0
+        for p in lt.pieces:
+            got = _read_piece(index, lt, p)
+            items.extend(got)
+            covered += sum(numel(it.local_box) for it in got if it.reduce is None)
+        if covered != math.prod(lt.shape):
+            zero.add(name)
+    return LoadPlan(items, {n: (lt.shape, lt.dtype) for n, lt in local.items()}, frozenset(zero))
+
+
+def _read_piece(index: LogicalIndex, lt: LocalTensor, p: Piece) -> list[ReadItem]:
+    k_src = index.partial(p.tensor)
+    kwargs: dict[str, Any] = {}
+    if lt.contribution is not None and k_src == lt.contribution[1]:
+        kwargs["contribution"] = lt.contribution[0]  # the same split of the sum: each rank its own part
+    elif lt.contribution is not None and lt.contribution[0] != 0:
+        return []  # the whole sum goes to contribution 0; the others hold zero
+    elif k_src:
+        kwargs["sum_partial"] = True  # contribution 0 copied, then the others added, in order
+    out = []
+    for array, sbox, rbox, k in index.read_parts(p.tensor, p.box, **kwargs):
+        lbox = (tuple(a + b for a, b in zip(p.local_box[0], rbox[0], strict=True)), rbox[1])
+        reduce = "sum" if kwargs.get("sum_partial") and k > 0 else None
+        out.append(ReadItem(array, sbox, lt.name, lbox, p.view, reduce))
+    return out
