@@ -1,6 +1,7 @@
 """Delta codec on real training states: sizes and single-core throughput (spec/delta.md §5).
 
-    python bench/delta_codec.py [--warmup 20] [--pairs 3] [--d-model 256] [--layers 4] [--vocab 4096] [--repeat 3]
+    python bench/delta_codec.py [--warmup 20] [--pairs 3] [--d-model 256] [--layers 4] [--vocab 4096]
+                                [--repeat 3] [--chain 8] [--skip-reference]
 
 Trains a small decoder-only transformer (CPU, fp32, AdamW, synthetic Zipf/Markov token stream) for
 ``--warmup`` steps, then keeps ``--pairs + 1`` consecutive states (parameters, exp_avg, exp_avg_sq).
@@ -32,8 +33,9 @@ import numpy as np
 # -- training ---------------------------------------------------------------------------------------
 
 
-def train_states(args: argparse.Namespace, frozen_layers: int = 0, keep: int | None = None,
-                 grads: bool = False) -> list[dict[str, np.ndarray]]:
+def train_states(
+    args: argparse.Namespace, frozen_layers: int = 0, keep: int | None = None, grads: bool = False
+) -> list[dict[str, np.ndarray]]:
     """Consecutive states (and optionally the gradients of the step that produced each)."""
     import torch
     from torch import nn
@@ -95,7 +97,11 @@ def train_states(args: argparse.Namespace, frozen_layers: int = 0, keep: int | N
         loss = nn.functional.cross_entropy(model(x).reshape(-1, V), y.reshape(-1))
         opt.zero_grad()
         loss.backward()
-        grad = {f"grad/{n}": p.grad.detach().numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+        grad = {
+            f"grad/{n}": p.grad.detach().numpy().copy()
+            for n, p in model.named_parameters()
+            if p.grad is not None
+        }
         opt.step()
         if step > args.warmup:
             s: dict[str, np.ndarray] = {}
@@ -135,15 +141,26 @@ class Tally:
 
     def row(self, label: str, steps: int) -> list[str]:
         vs_zstd = self.zstd / self.stored if self.zstd else math.nan
-        return [label, f"{self.stored / steps / 1e6:.2f} MB", f"{self.raw / self.stored:.3f}x", f"{vs_zstd:.3f}x",
-                f"{self.raw / self.t_enc / 1e9:.2f}" if self.t_enc else "-",
-                f"{self.raw / self.t_dec / 1e9:.2f}" if self.t_dec else "-"]
+        return [
+            label,
+            f"{self.stored / steps / 1e6:.2f} MB",
+            f"{self.raw / self.stored:.3f}x",
+            f"{vs_zstd:.3f}x",
+            f"{self.raw / self.t_enc / 1e9:.2f}" if self.t_enc else "-",
+            f"{self.raw / self.t_dec / 1e9:.2f}" if self.t_dec else "-",
+        ]
 
 
-def measure(pairs: Sequence[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]], target: int,
-            encoding: Callable[[str, str], str] | None, backend: str = "native", plain: dict[str, int] | None = None,
-            kinds: dict[str, Tally] | None = None, names: Callable[[str], bool] = lambda n: True,
-            repeat: int = 3) -> Tally:
+def measure(
+    pairs: Sequence[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]],
+    target: int,
+    encoding: Callable[[str, str], str] | None,
+    backend: str = "native",
+    plain: dict[str, int] | None = None,
+    kinds: dict[str, Tally] | None = None,
+    names: Callable[[str], bool] = lambda n: True,
+    repeat: int = 3,
+) -> Tally:
     """Encode every chunk of ``new`` against ``old`` (encoding None: full values, no base).
 
     The native backend encodes with ``encode_chunk_into`` into one reused buffer and decodes into one
@@ -206,8 +223,12 @@ def measure(pairs: Sequence[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]
     return t
 
 
-def plain_zstd(pairs: Sequence[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]], target: int,
-               names: Callable[[str], bool] = lambda n: True, repeat: int = 3) -> tuple[dict[str, int], Tally]:
+def plain_zstd(
+    pairs: Sequence[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]],
+    target: int,
+    names: Callable[[str], bool] = lambda n: True,
+    repeat: int = 3,
+) -> tuple[dict[str, int], Tally]:
     """Plain zstd level 1 of each full chunk (what a zarr [bytes, zstd] array would store)."""
     from numcodecs import zstd
 
@@ -240,12 +261,21 @@ def plain_zstd(pairs: Sequence[tuple[dict[str, np.ndarray], dict[str, np.ndarray
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[str(c) for c in headers]] + [[str(c) for c in r] for r in rows]
     w = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    line = lambda r: "| " + " | ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r)) + " |"  # noqa: E731
-    sep = "|" + "|".join(":" + "-" * (w[0] + 1) if i == 0 else "-" * (x + 1) + ":" for i, x in enumerate(w)) + "|"
+
+    def line(r: Sequence[str]) -> str:
+        return "| " + " | ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r)) + " |"
+
+    sep = (
+        "|"
+        + "|".join(":" + "-" * (w[0] + 1) if i == 0 else "-" * (x + 1) + ":" for i, x in enumerate(w))
+        + "|"
+    )
     return "\n".join([line(cells[0]), sep, *(line(r) for r in cells[1:])])
 
 
-def rebuild_chain(states: list[dict[str, np.ndarray]], target: int, base_full: bool = False) -> tuple[float, float, int, int]:
+def rebuild_chain(
+    states: list[dict[str, np.ndarray]], target: int, base_full: bool = False
+) -> tuple[float, float, int, int]:
     """CPU seconds to rebuild the last state through its chain vs decoding it as one full payload, and the
     bytes each reads. The chain is every state in turn (base='previous'), or with ``base_full`` the first
     state and one delta against it (base='full')."""
@@ -268,8 +298,18 @@ def rebuild_chain(states: list[dict[str, np.ndarray]], target: int, base_full: b
         enc = choose_encoding(name, "float32")
         per = {i: inner_chunks(states[i][name], target) for i in steps}
         shape = (states[0][name].size,)
-        links[name] = [ArrayInfo(s, name, shape, "float32", shape, shape,
-                                 None if j == 0 else DeltaRecord("chunked", steps[j - 1], enc)) for j, s in enumerate(steps)]
+        links[name] = [
+            ArrayInfo(
+                s,
+                name,
+                shape,
+                "float32",
+                shape,
+                shape,
+                None if j == 0 else DeltaRecord("chunked", steps[j - 1], enc),
+            )
+            for j, s in enumerate(steps)
+        ]
         for c in range(len(per[0])):
             chunks[(0, name, c)] = per[0][c].tobytes()
             for j in range(1, len(steps)):
@@ -325,32 +365,73 @@ def main(argv: Sequence[str] | None = None) -> None:
     t0 = time.time()
     states = train_states(args)
     raw_step = sum(a.nbytes for a in states[0].values())
-    print(f"# delta codec: {args.layers}-layer d={args.d_model} vocab={args.vocab} transformer, AdamW lr={args.lr}, "
-          f"fp32, states after steps {args.warmup + 1}..{args.warmup + args.pairs + 1}")
-    print(f"# {len(states[0])} tensors, {raw_step / 1e6:.1f} MB per step, inner chunks <= {args.chunk_mib} MiB; "
-          f"zstd {_delta.zstd_version()}; trained in {time.time() - t0:.1f} s; load average {os.getloadavg()[0]:.2f} "
-          f"on {os.cpu_count()} CPUs; GB/s = raw bytes / thread CPU time, one thread\n")
+    print(
+        f"# delta codec: {args.layers}-layer d={args.d_model} vocab={args.vocab} transformer, "
+        f"AdamW lr={args.lr}, fp32, states after steps {args.warmup + 1}..{args.warmup + args.pairs + 1}"
+    )
+    print(
+        f"# {len(states[0])} tensors, {raw_step / 1e6:.1f} MB per step, "
+        f"inner chunks <= {args.chunk_mib} MiB; zstd {_delta.zstd_version()}; "
+        f"trained in {time.time() - t0:.1f} s; load average {os.getloadavg()[0]:.2f} "
+        f"on {os.cpu_count()} CPUs; GB/s = raw bytes / thread CPU time, one thread\n"
+    )
     pairs = list(zip(states[:-1], states[1:], strict=True))
     n = len(pairs)
     plain, plain_t = plain_zstd(pairs, target, repeat=args.repeat)
     kinds: dict[str, Tally] = {}
-    rows = [["raw (no compression)", f"{raw_step / 1e6:.2f} MB", "1.000x", f"{plain['all'] / (raw_step * n):.3f}x", "-", "-"],
-            plain_t.row("plain zstd-1 (zarr [bytes, zstd])", n),
-            measure(pairs, target, None, plain=plain, repeat=args.repeat).row("shuffle + zstd, full values (mode 0)", n),
-            measure(pairs, target, lambda nm, dt: "xor", plain=plain, repeat=args.repeat).row("delta, XOR everywhere", n),
-            measure(pairs, target, lambda nm, dt: "sub", plain=plain, repeat=args.repeat).row("delta, SUB everywhere", n)]
+    rows = [
+        [
+            "raw (no compression)",
+            f"{raw_step / 1e6:.2f} MB",
+            "1.000x",
+            f"{plain['all'] / (raw_step * n):.3f}x",
+            "-",
+            "-",
+        ],
+        plain_t.row("plain zstd-1 (zarr [bytes, zstd])", n),
+        measure(pairs, target, None, plain=plain, repeat=args.repeat).row(
+            "shuffle + zstd, full values (mode 0)", n
+        ),
+        measure(pairs, target, lambda nm, dt: "xor", plain=plain, repeat=args.repeat).row(
+            "delta, XOR everywhere", n
+        ),
+        measure(pairs, target, lambda nm, dt: "sub", plain=plain, repeat=args.repeat).row(
+            "delta, SUB everywhere", n
+        ),
+    ]
     auto = measure(pairs, target, choose_encoding, plain=plain, kinds=kinds, repeat=args.repeat)
     rows.append(auto.row("delta, choose_encoding (writer default)", n))
     if not args.skip_reference:
-        rows.append(measure(pairs[:1], target, choose_encoding, backend="reference", plain=plain_zstd(pairs[:1], target)[0], repeat=1)
-                    .row("delta, choose_encoding, reference backend", 1))
+        rows.append(
+            measure(
+                pairs[:1],
+                target,
+                choose_encoding,
+                backend="reference",
+                plain=plain_zstd(pairs[:1], target)[0],
+                repeat=1,
+            ).row("delta, choose_encoding, reference backend", 1)
+        )
     print("## Encodings (consecutive steps)\n")
-    print(table(["encoding", "bytes/step", "ratio vs raw", "ratio vs plain zstd", "encode GB/s", "decode GB/s"], rows))
+    print(
+        table(
+            ["encoding", "bytes/step", "ratio vs raw", "ratio vs plain zstd", "encode GB/s", "decode GB/s"],
+            rows,
+        )
+    )
     print(f"\nchunk modes chosen (writer default): {auto.modes}\n")
     print("## Per state kind (writer default)\n")
-    print(table(["kind", "bytes/step", "ratio vs raw", "ratio vs plain zstd", "encode GB/s", "decode GB/s"],
-                [k.row(f"{name} ({choose_encoding('optim/x/' + name if name != 'param' else 'w', 'float32')})", n)
-                 for name, k in sorted(kinds.items())]))
+    print(
+        table(
+            ["kind", "bytes/step", "ratio vs raw", "ratio vs plain zstd", "encode GB/s", "decode GB/s"],
+            [
+                k.row(
+                    f"{name} ({choose_encoding('optim/x/' + name if name != 'param' else 'w', 'float32')})", n
+                )
+                for name, k in sorted(kinds.items())
+            ],
+        )
+    )
 
     print("\n## Scenarios\n")
     srows = []
@@ -358,28 +439,74 @@ def main(argv: Sequence[str] | None = None) -> None:
     fr = train_states(args, frozen_layers=half, keep=2)
     fr_raw = sum(a.nbytes for a in fr[1].values())
     t = measure([(fr[0], fr[1])], target, choose_encoding)
-    srows.append([f"{half} of {args.layers} blocks + embedding frozen", f"{fr_raw / 1e6:.2f} MB", f"{t.stored / 1e6:.2f} MB",
-                  f"{fr_raw / t.stored:.2f}x", "frozen tensors: unchanged, 0 bytes"])
+    srows.append(
+        [
+            f"{half} of {args.layers} blocks + embedding frozen",
+            f"{fr_raw / 1e6:.2f} MB",
+            f"{t.stored / 1e6:.2f} MB",
+            f"{fr_raw / t.stored:.2f}x",
+            "frozen tensors: unchanged, 0 bytes",
+        ]
+    )
     far = train_states(args, keep=args.chain + 1)
     for dist in (1, 4, args.chain):
         t = measure([(far[0], far[dist])], target, choose_encoding)
-        srows.append([f"delta against the step {dist} back", f"{raw_step / 1e6:.2f} MB", f"{t.stored / 1e6:.2f} MB",
-                      f"{raw_step / t.stored:.2f}x", "base='full' policy pays this" if dist > 1 else "base='previous'"])
+        srows.append(
+            [
+                f"delta against the step {dist} back",
+                f"{raw_step / 1e6:.2f} MB",
+                f"{t.stored / 1e6:.2f} MB",
+                f"{raw_step / t.stored:.2f}x",
+                "base='full' policy pays this" if dist > 1 else "base='previous'",
+            ]
+        )
     gr = train_states(args, keep=1, grads=True)[0]
     g_only = {k: v for k, v in gr.items() if k.startswith("grad/")}
     t = measure([(g_only, g_only)], target, None)
-    srows.append(["gradient records (gradients, shuffle+zstd)", f"{raw_step / 1e6:.2f} MB", f"{t.stored / 1e6:.2f} MB",
-                  f"{raw_step / t.stored:.2f}x", "exact only with a matching optimizer fingerprint"])
+    srows.append(
+        [
+            "gradient records (gradients, shuffle+zstd)",
+            f"{raw_step / 1e6:.2f} MB",
+            f"{t.stored / 1e6:.2f} MB",
+            f"{raw_step / t.stored:.2f}x",
+            "exact only with a matching optimizer fingerprint",
+        ]
+    )
     print(table(["scenario", "full step", "stored", "ratio vs full step", "note"], srows))
     raw_bytes = sum(a.nbytes for a in far[0].values())
     crows = []
-    for label, base_full in ((f"chain of {args.chain} deltas (base='previous')", False), ("one delta against the full step (base='full')", True)):
+    for label, base_full in (
+        (f"chain of {args.chain} deltas (base='previous')", False),
+        ("one delta against the full step (base='full')", True),
+    ):
         t_chain, t_full, chain_bytes, full_bytes = rebuild_chain(far[: args.chain + 1], target, base_full)
-        crows.append([label, f"{t_chain * 1e3:.0f} ms", f"{chain_bytes / 1e6:.1f} MB", f"{t_chain / t_full:.1f}x",
-                      f"{chain_bytes / full_bytes:.1f}x", f"{chain_bytes / raw_bytes:.1f}x"])
-    print(f"\n## Rebuilding step {args.warmup + args.chain + 1} (CPU time; bytes read incl. the full base, stored raw)\n")
-    print(table(["how", "CPU", "bytes read", "CPU vs decoding it stored full", "bytes vs stored full (shuffle+zstd)",
-                 "bytes vs stored raw"], crows))
+        crows.append(
+            [
+                label,
+                f"{t_chain * 1e3:.0f} ms",
+                f"{chain_bytes / 1e6:.1f} MB",
+                f"{t_chain / t_full:.1f}x",
+                f"{chain_bytes / full_bytes:.1f}x",
+                f"{chain_bytes / raw_bytes:.1f}x",
+            ]
+        )
+    print(
+        f"\n## Rebuilding step {args.warmup + args.chain + 1} "
+        "(CPU time; bytes read incl. the full base, stored raw)\n"
+    )
+    print(
+        table(
+            [
+                "how",
+                "CPU",
+                "bytes read",
+                "CPU vs decoding it stored full",
+                "bytes vs stored full (shuffle+zstd)",
+                "bytes vs stored raw",
+            ],
+            crows,
+        )
+    )
 
 
 if __name__ == "__main__":

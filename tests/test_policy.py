@@ -35,7 +35,8 @@ def test_daly_tends_to_young_and_minimises_overhead(c: float, m: float) -> None:
     if c < 1e-4 * m:  # first order regime
         assert d == pytest.approx(y, rel=0.02)
     if c < 2 * m:
-        # Daly's expected run time per unit of work: M e^{R/M} (e^{(T+c)/M} - 1) / T is minimal at T_opt (R = 0)
+        # Daly's expected run time per unit of work, M e^{R/M} (e^{(T+c)/M} - 1) / T, is minimal
+        # near T_opt (R = 0)
         def waste(t: float) -> float:
             return m * math.expm1((t + c) / m) / t
 
@@ -68,8 +69,13 @@ def test_adaptive_interval_bounds_and_initial_cost() -> None:
     p.record_save(1000.0)
     assert p.interval() == 50.0  # ceiling
     assert math.isnan(AdaptiveInterval(mtbf=1.0).expected_overhead())
-    for bad in [dict(alpha=0.0), dict(alpha=1.5), dict(min_interval=-1.0), dict(min_interval=10.0, max_interval=5.0),
-                dict(formula="other")]:
+    for bad in [
+        dict(alpha=0.0),
+        dict(alpha=1.5),
+        dict(min_interval=-1.0),
+        dict(min_interval=10.0, max_interval=5.0),
+        dict(formula="other"),
+    ]:
         with pytest.raises(InvalidArgumentError):
             AdaptiveInterval(mtbf=10.0, **bad)  # type: ignore[arg-type]
 

@@ -32,8 +32,16 @@ __all__ = ["AdaptiveInterval", "DeltaPolicy", "daly_interval", "young_interval"]
 
 
 def _positive(x: float, what: str, allow_zero: bool = False) -> float:
-    if not isinstance(x, (int, float)) or isinstance(x, bool) or math.isnan(x) or x < 0 or (x == 0 and not allow_zero):
-        raise InvalidArgumentError(f"{what} must be a {'non-negative' if allow_zero else 'positive'} number, got {x!r}")
+    if (
+        not isinstance(x, (int, float))
+        or isinstance(x, bool)
+        or math.isnan(x)
+        or x < 0
+        or (x == 0 and not allow_zero)
+    ):
+        raise InvalidArgumentError(
+            f"{what} must be a {'non-negative' if allow_zero else 'positive'} number, got {x!r}"
+        )
     return float(x)
 
 
@@ -109,20 +117,32 @@ class AdaptiveInterval:
     interval counts wall time including the training the save overlapped with.
     """
 
-    def __init__(self, mtbf: float, *, initial_cost: float | None = None, alpha: float = 0.3,
-                 min_interval: float = 0.0, max_interval: float = math.inf, formula: str = "daly") -> None:
+    def __init__(
+        self,
+        mtbf: float,
+        *,
+        initial_cost: float | None = None,
+        alpha: float = 0.3,
+        min_interval: float = 0.0,
+        max_interval: float = math.inf,
+        formula: str = "daly",
+    ) -> None:
         self.mtbf = _positive(mtbf, "mtbf")
         if not (isinstance(alpha, (int, float)) and 0.0 < alpha <= 1.0):
             raise InvalidArgumentError(f"alpha must be in (0, 1], got {alpha!r}")
         self.alpha = float(alpha)
         self.min_interval = _positive(min_interval, "min_interval", allow_zero=True)
-        self.max_interval = float(max_interval) if max_interval == math.inf else _positive(max_interval, "max_interval")
+        self.max_interval = (
+            float(max_interval) if max_interval == math.inf else _positive(max_interval, "max_interval")
+        )
         if self.min_interval > self.max_interval:
             raise InvalidArgumentError(f"min_interval {min_interval} exceeds max_interval {max_interval}")
         if formula not in ("daly", "young"):
             raise InvalidArgumentError(f"formula must be 'daly' or 'young', got {formula!r}")
         self.formula = formula
-        self.cost: float | None = None if initial_cost is None else _positive(initial_cost, "initial_cost", allow_zero=True)
+        self.cost: float | None = (
+            None if initial_cost is None else _positive(initial_cost, "initial_cost", allow_zero=True)
+        )
         self.saves = 0
         self._last_time: float | None = None
         self._last_step: int | None = None
@@ -190,9 +210,12 @@ class DeltaPolicy:
     base: str = "previous"
 
     def __post_init__(self) -> None:
-        if self.full_every is not None and (not isinstance(self.full_every, int) or isinstance(self.full_every, bool)
-                                            or self.full_every < 1):
-            raise InvalidArgumentError(f"full_every must be a positive integer or None, got {self.full_every!r}")
+        if self.full_every is not None and (
+            not isinstance(self.full_every, int) or isinstance(self.full_every, bool) or self.full_every < 1
+        ):
+            raise InvalidArgumentError(
+                f"full_every must be a positive integer or None, got {self.full_every!r}"
+            )
         if not isinstance(self.max_chain, int) or isinstance(self.max_chain, bool) or self.max_chain < 0:
             raise InvalidArgumentError(f"max_chain must be a non-negative integer, got {self.max_chain!r}")
         if self.base not in ("previous", "full"):

@@ -29,7 +29,14 @@ DTYPES: dict[str, np.dtype] = {
 SPECIAL_BITS: dict[int, list[int]] = {
     2: [0x7E01, 0xFFFF, 0x7C00, 0xFC00, 0x8000, 0x0001, 0x03FF, 0x7F80, 0xFF80, 0x7FC1, 0x0040],
     4: [0x7FC00001, 0xFFBADBAD, 0x7F800000, 0xFF800000, 0x80000000, 0x00000001, 0x807FFFFF, 0x7F7FFFFF],
-    8: [0x7FF8000000000001, 0xFFF0000000000000, 0x7FF0000000000000, 0x8000000000000000, 1, 0x000FFFFFFFFFFFFF],
+    8: [
+        0x7FF8000000000001,
+        0xFFF0000000000000,
+        0x7FF0000000000000,
+        0x8000000000000000,
+        1,
+        0x000FFFFFFFFFFFFF,
+    ],
     1: [0x7F, 0xFF, 0x80, 0x01, 0x7C, 0xFC],
 }
 
@@ -43,7 +50,9 @@ def words_of(values: np.ndarray) -> np.ndarray:
 @st.composite
 def arrays(draw: st.DrawFn, dtype: np.dtype, n: int) -> np.ndarray:
     """n values of dtype from random bytes, with special bit patterns sprinkled in."""
-    raw = np.frombuffer(draw(st.binary(min_size=n * dtype.itemsize, max_size=n * dtype.itemsize)), np.uint8).copy()
+    raw = np.frombuffer(
+        draw(st.binary(min_size=n * dtype.itemsize, max_size=n * dtype.itemsize)), np.uint8
+    ).copy()
     a = raw.view(dtype)
     if dtype == np.bool_:
         a = (raw & 1).astype(np.bool_)

@@ -39,10 +39,19 @@ def test_resolve_chain_walks_to_the_full_base() -> None:
 
 
 def test_resolve_chain_errors_name_the_step() -> None:
-    m = metas(s1=("full", None), s2=("delta", 1), s3=("delta", 2), s4=("delta", 0), s5=("delta", 4), s6=("delta", None))
+    m = metas(
+        s1=("full", None),
+        s2=("delta", 1),
+        s3=("delta", 2),
+        s4=("delta", 0),
+        s5=("delta", 4),
+        s6=("delta", None),
+    )
     with pytest.raises(DeltaChainError, match=r"^step 0 \(parent of step 4\) does not exist"):
         resolve_chain(4, m.get)
-    with pytest.raises(DeltaChainError, match=r"^step 0 \(parent of step 4, in the chain of step 5\) does not exist"):
+    with pytest.raises(
+        DeltaChainError, match=r"^step 0 \(parent of step 4, in the chain of step 5\) does not exist"
+    ):
         resolve_chain(5, m.get)
     with pytest.raises(DeltaChainError, match=r"step 6 is a delta step without a parent"):
         resolve_chain(6, m.get)
@@ -88,23 +97,34 @@ def test_resolve_chain_uncommitted_and_unreadable() -> None:
 
 
 # -- resolve_array_chain ------------------------------------------------------------------------------
-def ainfo(step: int, delta: DeltaRecord | None, shape: tuple[int, ...] = (8, 4), dtype: str = "float32") -> ArrayInfo:
+def ainfo(
+    step: int, delta: DeltaRecord | None, shape: tuple[int, ...] = (8, 4), dtype: str = "float32"
+) -> ArrayInfo:
     return ArrayInfo(step, "w", shape, dtype, shape, (4, 4), delta)
 
 
 def test_resolve_array_chain_checks_agreement() -> None:
-    arrays_ = {(1, "w"): ainfo(1, None), (2, "w"): ainfo(2, DeltaRecord("chunked", 1, "xor")),
-               (3, "w"): ainfo(3, DeltaRecord("unchanged", 2)), (4, "w"): ainfo(4, DeltaRecord("chunked", 3, "sub"))}
+    arrays_ = {
+        (1, "w"): ainfo(1, None),
+        (2, "w"): ainfo(2, DeltaRecord("chunked", 1, "xor")),
+        (3, "w"): ainfo(3, DeltaRecord("unchanged", 2)),
+        (4, "w"): ainfo(4, DeltaRecord("chunked", 3, "sub")),
+    }
     links = resolve_array_chain(4, "w", lambda s, n: arrays_.get((s, n)), steps=[1, 2, 3, 4])
     assert [link.step for link in links] == [1, 2, 3, 4]
     assert [link.kind for link in links] == ["full", "chunked", "unchanged", "chunked"]
     # a base_step that skips intermediate steps is fine when it is in the parent chain
     arrays_[(4, "w")] = ainfo(4, DeltaRecord("chunked", 1, "xor"))
-    assert [link.step for link in resolve_array_chain(4, "w", lambda s, n: arrays_.get((s, n)), steps=[1, 2, 3, 4])] == [1, 4]
+    assert [
+        link.step
+        for link in resolve_array_chain(4, "w", lambda s, n: arrays_.get((s, n)), steps=[1, 2, 3, 4])
+    ] == [1, 4]
     with pytest.raises(DeltaChainError, match=r"base_step 1 is not in the step's parent chain \[3, 4\]"):
         resolve_array_chain(4, "w", lambda s, n: arrays_.get((s, n)), steps=[3, 4])
     arrays_[(2, "w")] = ainfo(2, DeltaRecord("chunked", 1, "xor"), shape=(8, 8))
-    with pytest.raises(DeltaChainError, match=r"tensor 'w': step 3 is a delta of step 2, but their shapes differ"):
+    with pytest.raises(
+        DeltaChainError, match=r"tensor 'w': step 3 is a delta of step 2, but their shapes differ"
+    ):
         resolve_array_chain(3, "w", lambda s, n: arrays_.get((s, n)))
     arrays_[(2, "w")] = ainfo(2, DeltaRecord("chunked", 1, "xor"), dtype="bfloat16")
     with pytest.raises(DeltaChainError, match="dtypes differ"):
@@ -125,8 +145,14 @@ class MemRepo:
     chunks: dict[tuple[int, str, int], bytes] = field(default_factory=dict)  # stored full values or payloads
     corrupt: set[tuple[int, str, int]] = field(default_factory=set)
 
-    def save(self, step: int, state: dict[str, np.ndarray], kind: str, parent: int | None,
-             prev: dict[str, np.ndarray] | None) -> int:
+    def save(
+        self,
+        step: int,
+        state: dict[str, np.ndarray],
+        kind: str,
+        parent: int | None,
+        prev: dict[str, np.ndarray] | None,
+    ) -> int:
         """Write a step; returns the data bytes stored."""
         self.metas[step] = StepInfo(step, kind, parent)
         stored = 0
@@ -139,7 +165,9 @@ class MemRepo:
                 rec = DeltaRecord("unchanged", parent)  # type: ignore[arg-type]
             else:
                 rec = DeltaRecord("chunked", parent, choose_encoding(name, str(values.dtype)))  # type: ignore[arg-type]
-            self.arrays[(step, name)] = ArrayInfo(step, name, shape, str(values.dtype), shape, (self.inner,), rec)
+            self.arrays[(step, name)] = ArrayInfo(
+                step, name, shape, str(values.dtype), shape, (self.inner,), rec
+            )
             if rec is not None and rec.mode == "unchanged":
                 continue
             base_w = None if rec is None else bit_view(prev[name])  # type: ignore[index]
@@ -157,8 +185,11 @@ class MemRepo:
     def read_inner(self, step: int, name: str, coords: tuple[int, ...]) -> bytes | None:
         key = (step, name, coords[0])
         if key in self.corrupt:
-            raise ChecksumError(f"steps/{step}/{name}/c/0: inner chunk {coords[0]} fails its crc32c",
-                                tensor=name, file=f"steps/{step}/{name}/c/0")
+            raise ChecksumError(
+                f"steps/{step}/{name}/c/0: inner chunk {coords[0]} fails its crc32c",
+                tensor=name,
+                file=f"steps/{step}/{name}/c/0",
+            )
         return self.chunks.get(key)
 
     def load(self, step: int, name: str, dtype: np.dtype, max_chain: int = 64) -> tuple[np.ndarray, int]:
@@ -176,12 +207,31 @@ class MemRepo:
         return out, decoded
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(data=st.data(), dtype=st.sampled_from(sorted(DTYPES)), n=st.integers(0, 200), inner=st.integers(1, 64),
-       steps=st.integers(1, 10), full_every=st.one_of(st.none(), st.integers(1, 5)), max_chain=st.integers(0, 6),
-       base=st.sampled_from(["previous", "full"]), seed=st.integers(0, 2**32 - 1))
-def test_any_sequence_any_policy_reconstructs_every_step(data, dtype, n, inner, steps, full_every, max_chain, base,  # type: ignore[no-untyped-def]
-                                                         seed) -> None:
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+@given(
+    data=st.data(),
+    dtype=st.sampled_from(sorted(DTYPES)),
+    n=st.integers(0, 200),
+    inner=st.integers(1, 64),
+    steps=st.integers(1, 10),
+    full_every=st.one_of(st.none(), st.integers(1, 5)),
+    max_chain=st.integers(0, 6),
+    base=st.sampled_from(["previous", "full"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_any_sequence_any_policy_reconstructs_every_step(
+    data,
+    dtype,
+    n,
+    inner,
+    steps,
+    full_every,
+    max_chain,
+    base,  # type: ignore[no-untyped-def]
+    seed,
+) -> None:
     rng = np.random.default_rng(seed)
     policy = DeltaPolicy(full_every=full_every, max_chain=max_chain, base=base)
     repo = MemRepo(inner=inner)
@@ -244,25 +294,37 @@ def test_a_corrupt_base_chunk_breaks_every_dependent_step_naming_the_base() -> N
     prev = None
     for step in range(1, 6):
         new = v if prev is None else prev + np.float32(1e-4) * rng.standard_normal(v.size).astype(np.float32)
-        repo.save(step, {"w": new}, "full" if step == 1 else "delta", None if step == 1 else step - 1,
-                  None if prev is None else {"w": prev})
+        repo.save(
+            step,
+            {"w": new},
+            "full" if step == 1 else "delta",
+            None if step == 1 else step - 1,
+            None if prev is None else {"w": prev},
+        )
         prev = new
     repo.corrupt.add((2, "w", 3))
     with pytest.raises(ChecksumError):  # the base itself: its own integrity error
         repo.load(2, "w", np.dtype(np.float32))
     for step in (3, 4, 5):
-        with pytest.raises(DeltaChainError,
-                           match=rf"tensor 'w', inner chunk \[3\] of step 2 \(a base of step {step}\) is corrupt: \[checksum_mismatch\]"):
+        with pytest.raises(
+            DeltaChainError,
+            match=rf"tensor 'w', inner chunk \[3\] of step 2 \(a base of step {step}\) is corrupt: "
+            r"\[checksum_mismatch\]",
+        ):
             repo.load(step, "w", np.dtype(np.float32))
     # a malformed payload in a base is reported the same way
     repo.corrupt.clear()
     repo.chunks[(3, "w", 1)] = b"\x01\x28\xb5\x2f\xfd"
-    with pytest.raises(DeltaChainError, match=r"inner chunk \[1\] of step 3 \(a base of step 5\): \[format_error\]"):
+    with pytest.raises(
+        DeltaChainError, match=r"inner chunk \[1\] of step 3 \(a base of step 5\): \[format_error\]"
+    ):
         repo.load(5, "w", np.dtype(np.float32))
 
 
 def test_reconstruct_inner_needs_a_full_first_link() -> None:
     with pytest.raises(DeltaChainError, match="must start with the step that stores the tensor full"):
-        reconstruct_inner([ainfo(2, DeltaRecord("chunked", 1, "xor"))], (0,), lambda *a: None, np.empty(4, np.uint32))
+        reconstruct_inner(
+            [ainfo(2, DeltaRecord("chunked", 1, "xor"))], (0,), lambda *a: None, np.empty(4, np.uint32)
+        )
     with pytest.raises(DeltaChainError, match="the stored chunk must be 16 bytes, found absent"):
         reconstruct_inner([ainfo(1, None)], (0,), lambda *a: None, np.empty(4, np.uint32))

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ucl.delta import DeltaRecord, validate_chain
-from ucl.errors import ChecksumError, CheckpointNotFoundError, MissingShardError, UCLError
+from ucl.errors import CheckpointNotFoundError, ChecksumError, MissingShardError, UCLError
 
 
 @dataclass
@@ -26,7 +26,11 @@ class Arr:
     def inner_codecs(self) -> list[dict[str, Any]]:
         if self.codec is not None:
             return [self.codec, {"name": "crc32c"}]
-        return [DeltaRecord.from_dict(self.delta).codec(), {"name": "crc32c"}] if self.delta else [{"name": "bytes"}]
+        return (
+            [DeltaRecord.from_dict(self.delta).codec(), {"name": "crc32c"}]
+            if self.delta
+            else [{"name": "bytes"}]
+        )
 
 
 @dataclass
@@ -73,8 +77,14 @@ def repo3() -> Repo:
     return Repo(
         metas={
             1: Meta("full", None, {"w": Arr("w"), "f": Arr("f")}),
-            2: Meta("delta", 1, {"w": Arr("w", chunked(1)), "f": Arr("f", {"mode": "unchanged", "base_step": 1})}),
-            3: Meta("delta", 2, {"w": Arr("w", chunked(2, "sub")), "f": Arr("f", {"mode": "unchanged", "base_step": 2})}),
+            2: Meta(
+                "delta", 1, {"w": Arr("w", chunked(1)), "f": Arr("f", {"mode": "unchanged", "base_step": 1})}
+            ),
+            3: Meta(
+                "delta",
+                2,
+                {"w": Arr("w", chunked(2, "sub")), "f": Arr("f", {"mode": "unchanged", "base_step": 2})},
+            ),
         },
         files={1: {"w/c/0": (40, 1), "f/c/0": (40, 2)}, 2: {"w/c/0": (20, 3)}, 3: {"w/c/0": (20, 4)}},
     )
@@ -98,8 +108,10 @@ def test_a_corrupt_base_breaks_every_dependent_step_naming_the_base() -> None:
     for s in (2, 3):
         errs = list(validate_chain(r, s, r.metas[s]))
         assert codes(errs) == ["broken_chain"]
-        assert errs[0].message == (f"step {s} depends on step 1, whose tensor 'w' is corrupt: [checksum_mismatch] "
-                                   "steps/1/w/c/0 fails its crc32c")
+        assert errs[0].message == (
+            f"step {s} depends on step 1, whose tensor 'w' is corrupt: [checksum_mismatch] "
+            "steps/1/w/c/0 fails its crc32c"
+        )
         assert errs[0].tensor == "w" and errs[0].file == "steps/1/w/c/0"
 
 
@@ -107,7 +119,11 @@ def test_missing_parent_too_long_and_mismatched_arrays() -> None:
     r = repo3()
     del r.metas[1]
     errs = list(validate_chain(r, 3, r.metas[3]))
-    assert codes(errs) == ["broken_chain"] and "step 1 (parent of step 2, in the chain of step 3) is not readable: [not_found]" in errs[0].message
+    assert (
+        codes(errs) == ["broken_chain"]
+        and "step 1 (parent of step 2, in the chain of step 3) is not readable: [not_found]"
+        in errs[0].message
+    )
     r = repo3()
     assert codes(list(validate_chain(r, 3, r.metas[3], max_chain=1))) == ["broken_chain"]
     r.metas[2].arrays["w"] = Arr("w", chunked(1), dtype="bfloat16")
@@ -120,9 +136,13 @@ def test_bad_records_and_codecs_are_reported_as_such() -> None:
     r.metas[3].arrays["w"] = Arr("w", {"mode": "chunked", "base_step": 2})
     errs = list(validate_chain(r, 3, r.metas[3]))
     assert codes(errs) == ["schema_violation"] and "needs encoding" in errs[0].message
-    r.metas[3].arrays["w"] = Arr("w", chunked(2), codec={"name": "ucl.delta", "configuration": {"encoding": "sub", "base_step": 2}})
+    r.metas[3].arrays["w"] = Arr(
+        "w", chunked(2), codec={"name": "ucl.delta", "configuration": {"encoding": "sub", "base_step": 2}}
+    )
     errs = list(validate_chain(r, 3, r.metas[3]))
     assert codes(errs) == ["format_error"] and "disagrees" in errs[0].message
     r.metas[3].arrays["w"] = Arr("w", chunked(0))
     errs = list(validate_chain(r, 3, r.metas[3]))
-    assert codes(errs) == ["broken_chain"] and "base_step 0 is not in the step's parent chain" in errs[0].message
+    assert (
+        codes(errs) == ["broken_chain"] and "base_step 0 is not in the step's parent chain" in errs[0].message
+    )

@@ -28,12 +28,13 @@ def unshuffle(planes: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return np.ascontiguousarray(planes.reshape(w, -1).T).reshape(-1).view(dtype)
 
 
-def _transform(new: np.ndarray, base: np.ndarray | None, mode: int) -> np.ndarray:
+def _transform(new: np.ndarray, base: np.ndarray, mode: int) -> np.ndarray:
+    out = np.empty_like(new)
     if mode == MODE_XOR:
-        return np.bitwise_xor(new, base)
-    if mode == MODE_SUB:
-        return np.subtract(new, base)  # unsigned: wraps modulo 2^(8*word)
-    return new
+        np.bitwise_xor(new, base, out=out)
+    else:  # MODE_SUB; unsigned: wraps modulo 2^(8*word)
+        np.subtract(new, base, out=out)
+    return out
 
 
 def _payload(mode: int, words: np.ndarray, level: int) -> bytes:
@@ -58,7 +59,13 @@ def _frame_extent(buf: memoryview, pos: int) -> tuple[int, int, bool]:
     if n - pos < 5 or int.from_bytes(buf[pos : pos + 4], "little") != _MAGIC:
         raise FormatError(f"delta payload: no zstd frame at offset {pos} (expected magic 28 B5 2F FD)")
     fhd = buf[pos + 4]
-    fcs_flag, single, reserved, checksum, did_flag = fhd >> 6, (fhd >> 5) & 1, (fhd >> 3) & 1, (fhd >> 2) & 1, fhd & 3
+    fcs_flag, single, reserved, checksum, did_flag = (
+        fhd >> 6,
+        (fhd >> 5) & 1,
+        (fhd >> 3) & 1,
+        (fhd >> 2) & 1,
+        fhd & 3,
+    )
     if reserved:
         raise FormatError(f"delta payload: zstd frame at offset {pos} sets the reserved header bit")
     p = pos + 5 + (0 if single else 1)
@@ -110,7 +117,9 @@ def decode(payload: bytes | memoryview | bytearray, base: np.ndarray | None, out
             raise FormatError(f"delta payload: the frames decode to more than the chunk's {out.nbytes} bytes")
         if size == 0:  # numcodecs cannot decode empty frames; an empty frame has only empty blocks
             if data_blocks:
-                raise FormatError(f"delta payload: the zstd frame at offset {pos} has content size 0 but data blocks")
+                raise FormatError(
+                    f"delta payload: the zstd frame at offset {pos} has content size 0 but data blocks"
+                )
             pos, frames = end, frames + 1
             continue
         try:
@@ -123,9 +132,9 @@ def decode(payload: bytes | memoryview | bytearray, base: np.ndarray | None, out
     if got != out.nbytes:
         raise FormatError(f"delta payload: the frames decode to {got} bytes, the chunk holds {out.nbytes}")
     d = unshuffle(planes, out.dtype)
-    if mode == MODE_XOR:
-        np.bitwise_xor(d, base, out=out)
-    elif mode == MODE_SUB:
-        np.add(d, base, out=out)
-    else:
+    if mode == MODE_FULL or base is None:  # base is not None here unless mode 0 (checked above)
         out[...] = d
+    elif mode == MODE_XOR:
+        np.bitwise_xor(d, base, out=out)
+    else:
+        np.add(d, base, out=out)

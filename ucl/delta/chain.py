@@ -23,8 +23,14 @@ from ucl.delta.codec import ENCODINGS, MODE_FULL, Backend, decode_chunk
 from ucl.delta.records import DeltaRecord
 from ucl.errors import DeltaChainError, FormatError, IntegrityError, LimitExceededError, UCLError
 
-__all__ = ["DEFAULT_MAX_CHAIN", "ArrayInfo", "StepInfo", "reconstruct_inner", "resolve_array_chain",
-           "resolve_chain"]
+__all__ = [
+    "DEFAULT_MAX_CHAIN",
+    "ArrayInfo",
+    "StepInfo",
+    "reconstruct_inner",
+    "resolve_array_chain",
+    "resolve_chain",
+]
 
 DEFAULT_MAX_CHAIN = 64
 HARD_MAX_CHAIN = 4096  # readers refuse longer chains whatever a writer says (spec/delta.md §6)
@@ -60,10 +66,14 @@ class ArrayInfo:
 
 def _check_limit(max_chain: int) -> None:
     if not isinstance(max_chain, int) or not 0 <= max_chain <= HARD_MAX_CHAIN:
-        raise LimitExceededError(f"max_chain must be an integer in [0, {HARD_MAX_CHAIN}], found {max_chain!r}")
+        raise LimitExceededError(
+            f"max_chain must be an integer in [0, {HARD_MAX_CHAIN}], found {max_chain!r}"
+        )
 
 
-def resolve_chain(step: int, get_meta: Callable[[int], StepInfo | None], max_chain: int = DEFAULT_MAX_CHAIN) -> list[int]:
+def resolve_chain(
+    step: int, get_meta: Callable[[int], StepInfo | None], max_chain: int = DEFAULT_MAX_CHAIN
+) -> list[int]:
     """The steps from the full base to ``step``, oldest first (``[step]`` for a full step).
 
     Parameters
@@ -94,8 +104,13 @@ def resolve_chain(step: int, get_meta: Callable[[int], StepInfo | None], max_cha
     cur: int | None = step
     child: int | None = None
     while cur is not None:
-        who = (f"step {cur}" if child is None else f"step {cur} (parent of step {child})" if child == step
-               else f"step {cur} (parent of step {child}, in the chain of step {step})")
+        who = (
+            f"step {cur}"
+            if child is None
+            else f"step {cur} (parent of step {child})"
+            if child == step
+            else f"step {cur} (parent of step {child}, in the chain of step {step})"
+        )
         if cur in seen:
             raise DeltaChainError(f"{who}: the chain has a cycle through step {cur}")
         seen.add(cur)
@@ -121,15 +136,22 @@ def resolve_chain(step: int, get_meta: Callable[[int], StepInfo | None], max_cha
         if info.parent >= cur:
             raise DeltaChainError(f"{who}: parent {info.parent} is not older than the step")
         if len(chain) > max_chain:
-            raise DeltaChainError(f"step {step}: the chain has more than max_chain={max_chain} delta steps "
-                                  f"(reached step {info.parent} without a full step)")
+            raise DeltaChainError(
+                f"step {step}: the chain has more than max_chain={max_chain} delta steps "
+                f"(reached step {info.parent} without a full step)"
+            )
         child, cur = cur, info.parent
     chain.reverse()
     return chain
 
 
-def resolve_array_chain(step: int, name: str, get_array: Callable[[int, str], ArrayInfo | None],
-                        steps: Sequence[int] | None = None, max_chain: int = DEFAULT_MAX_CHAIN) -> list[ArrayInfo]:
+def resolve_array_chain(
+    step: int,
+    name: str,
+    get_array: Callable[[int, str], ArrayInfo | None],
+    steps: Sequence[int] | None = None,
+    max_chain: int = DEFAULT_MAX_CHAIN,
+) -> list[ArrayInfo]:
     """One tensor's links from the step that stores it full to ``step``, oldest first.
 
     Links whose mode is ``unchanged`` are kept (they cost nothing to walk). Each link's ``base_step``
@@ -152,7 +174,9 @@ def resolve_array_chain(step: int, name: str, get_array: Callable[[int, str], Ar
         except DeltaChainError:
             raise
         except UCLError as e:
-            raise DeltaChainError(f"{who} is not readable: [{e.code}] {e.message}", tensor=name, file=e.file) from e
+            raise DeltaChainError(
+                f"{who} is not readable: [{e.code}] {e.message}", tensor=name, file=e.file
+            ) from e
         if info is None:
             raise DeltaChainError(f"{who} does not exist", tensor=name)
         if links:
@@ -160,9 +184,11 @@ def resolve_array_chain(step: int, name: str, get_array: Callable[[int, str], Ar
             for attr in ("shape", "dtype", "chunk_shape", "inner_chunk_shape"):
                 if getattr(info, attr) != getattr(last, attr):
                     raise DeltaChainError(
-                        f"tensor {name!r}: step {last.step} is a delta of step {cur}, but their {attr.replace('_', ' ')}s "
-                        f"differ: {getattr(last, attr)} in step {last.step}, {getattr(info, attr)} in step {cur}",
-                        tensor=name)
+                        f"tensor {name!r}: step {last.step} is a delta of step {cur}, but their "
+                        f"{attr.replace('_', ' ')}s differ: {getattr(last, attr)} in step {last.step}, "
+                        f"{getattr(info, attr)} in step {cur}",
+                        tensor=name,
+                    )
         links.append(info)
         if info.delta is None:
             break
@@ -170,11 +196,13 @@ def resolve_array_chain(step: int, name: str, get_array: Callable[[int, str], Ar
         if base >= cur:
             raise DeltaChainError(f"{who}: base_step {base} is not older than the step", tensor=name)
         if allowed is not None and base not in allowed:
-            raise DeltaChainError(f"{who}: base_step {base} is not in the step's parent chain {sorted(allowed)}",
-                                  tensor=name)
+            raise DeltaChainError(
+                f"{who}: base_step {base} is not in the step's parent chain {sorted(allowed)}", tensor=name
+            )
         if len(links) > max_chain:
-            raise DeltaChainError(f"tensor {name!r} in step {step}: more than max_chain={max_chain} delta links",
-                                  tensor=name)
+            raise DeltaChainError(
+                f"tensor {name!r} in step {step}: more than max_chain={max_chain} delta links", tensor=name
+            )
         child, cur = cur, base
     links.reverse()
     return links
@@ -183,8 +211,14 @@ def resolve_array_chain(step: int, name: str, get_array: Callable[[int, str], Ar
 ReadInner = Callable[[int, str, tuple[int, ...]], "bytes | memoryview | None"]
 
 
-def reconstruct_inner(links: Sequence[ArrayInfo], coords: tuple[int, ...], read_inner: ReadInner, out: np.ndarray,
-                      *, backend: Backend = "native") -> int:
+def reconstruct_inner(
+    links: Sequence[ArrayInfo],
+    coords: tuple[int, ...],
+    read_inner: ReadInner,
+    out: np.ndarray,
+    *,
+    backend: Backend = "native",
+) -> int:
     """Rebuild one inner chunk of the newest link into ``out``, bit for bit.
 
     Parameters
@@ -213,7 +247,9 @@ def reconstruct_inner(links: Sequence[ArrayInfo], coords: tuple[int, ...], read_
         message names the link's step and the tensor, and the step being rebuilt.
     """
     if not links or links[0].delta is not None:
-        raise DeltaChainError("reconstruct_inner: the links must start with the step that stores the tensor full")
+        raise DeltaChainError(
+            "reconstruct_inner: the links must start with the step that stores the tensor full"
+        )
     top = links[-1]
     name = top.name
     pending: list[tuple[ArrayInfo, bytes | memoryview]] = []
@@ -224,16 +260,23 @@ def reconstruct_inner(links: Sequence[ArrayInfo], coords: tuple[int, ...], read_
         if link.kind == "full":
             if data is None or len(data) != out.nbytes:
                 found = "absent" if data is None else f"{len(data)} bytes"
-                raise DeltaChainError(f"{_where(link, coords, top)}: the stored chunk must be {out.nbytes} bytes, found {found}",
-                                      tensor=name)
+                raise DeltaChainError(
+                    f"{_where(link, coords, top)}: the stored chunk must be {out.nbytes} bytes, "
+                    f"found {found}",
+                    tensor=name,
+                )
             out.view(np.uint8)[...] = np.frombuffer(data, np.uint8)
             break
         if data is None:
             continue
         mode = data[0] if len(data) else -1
-        if mode not in (MODE_FULL, ENCODINGS.get(link.delta.encoding or "", -1)):  # type: ignore[union-attr]
-            raise DeltaChainError(f"{_where(link, coords, top)}: payload mode {mode} is neither 0 (full) nor that of "
-                                  f"the array's encoding {link.delta.encoding!r}", tensor=name)  # type: ignore[union-attr]
+        encoding = link.delta.encoding if link.delta is not None else None
+        if mode not in (MODE_FULL, ENCODINGS.get(encoding or "", -1)):
+            raise DeltaChainError(
+                f"{_where(link, coords, top)}: payload mode {mode} is neither 0 (full) nor that of "
+                f"the array's encoding {encoding!r}",
+                tensor=name,
+            )
         pending.append((link, data))
         if mode == MODE_FULL:  # full values: older links are not needed
             break
@@ -250,11 +293,14 @@ def _where(link: ArrayInfo, coords: tuple[int, ...], top: ArrayInfo) -> str:
     return s if link.step == top.step else s + f" (a base of step {top.step})"
 
 
-def _read(read_inner: ReadInner, link: ArrayInfo, coords: tuple[int, ...], top: ArrayInfo) -> bytes | memoryview | None:
+def _read(
+    read_inner: ReadInner, link: ArrayInfo, coords: tuple[int, ...], top: ArrayInfo
+) -> bytes | memoryview | None:
     try:
         return read_inner(link.step, link.name, coords)
     except IntegrityError as e:
         if link.step == top.step:
             raise
-        raise DeltaChainError(f"{_where(link, coords, top)} is corrupt: [{e.code}] {e.message}",
-                              tensor=link.name, file=e.file) from e
+        raise DeltaChainError(
+            f"{_where(link, coords, top)} is corrupt: [{e.code}] {e.message}", tensor=link.name, file=e.file
+        ) from e

@@ -14,7 +14,7 @@ when the native backend is used.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -54,7 +54,7 @@ _C_ERRORS: dict[int, tuple[type[Exception], str]] = {
 }
 
 
-def _native():  # type: ignore[no-untyped-def]
+def _native() -> Any:
     from ucl import _delta
 
     return _delta
@@ -114,7 +114,9 @@ def choose_encoding(name: str, dtype: str) -> str:
 def payload_bound(nbytes: int, word: int) -> int:
     """The largest payload the native encoder writes for a chunk of ``nbytes`` in words of ``word`` bytes."""
     if word not in _WORDS or nbytes < 0 or nbytes % word:
-        raise InvalidArgumentError(f"payload_bound: nbytes {nbytes} and word {word} (must be one of {_WORDS})")
+        raise InvalidArgumentError(
+            f"payload_bound: nbytes {nbytes} and word {word} (must be one of {_WORDS})"
+        )
     return int(_native().bound(nbytes, word))
 
 
@@ -131,14 +133,17 @@ def payload_mode(payload: bytes | memoryview) -> str:
 def _check_words(new: np.ndarray, base: np.ndarray | None, what: str) -> int:
     if not isinstance(new, np.ndarray) or new.dtype.kind != "u" or new.dtype.itemsize not in _WORDS:
         got = getattr(new, "dtype", type(new).__name__)
-        raise InvalidArgumentError(f"{what}: values must be a numpy array of uint8/16/32/64 (see bit_view), got {got}")
+        raise InvalidArgumentError(
+            f"{what}: values must be a numpy array of uint8/16/32/64 (see bit_view), got {got}"
+        )
     if not new.flags.c_contiguous:
         raise InvalidArgumentError(f"{what}: values must be C-contiguous")
     if base is not None:
         if not isinstance(base, np.ndarray) or base.dtype != new.dtype or base.size != new.size:
             raise DeltaChainError(
                 f"{what}: base chunk must match the chunk: expected {new.size} words of {new.dtype}, "
-                f"found {getattr(base, 'size', '?')} of {getattr(base, 'dtype', type(base).__name__)}")
+                f"found {getattr(base, 'size', '?')} of {getattr(base, 'dtype', type(base).__name__)}"
+            )
         if not base.flags.c_contiguous:
             raise InvalidArgumentError(f"{what}: base must be C-contiguous")
     return int(new.dtype.itemsize)
@@ -151,8 +156,9 @@ def _raise_c(rc: int, what: str) -> None:
     raise cls(f"{what}: {text}")
 
 
-def encode_chunk(new: np.ndarray, base: np.ndarray | None, encoding: str, level: int = 1, *,
-                 backend: Backend = "native") -> bytes | None:
+def encode_chunk(
+    new: np.ndarray, base: np.ndarray | None, encoding: str, level: int = 1, *, backend: Backend = "native"
+) -> bytes | None:
     """Encode one inner chunk against its base.
 
     Parameters
@@ -184,7 +190,9 @@ def encode_chunk(new: np.ndarray, base: np.ndarray | None, encoding: str, level:
     """
     word = _check_words(new, base, "encode_chunk")
     if encoding not in ENCODINGS:
-        raise InvalidArgumentError(f"encode_chunk: encoding must be one of {sorted(ENCODINGS)}, got {encoding!r}")
+        raise InvalidArgumentError(
+            f"encode_chunk: encoding must be one of {sorted(ENCODINGS)}, got {encoding!r}"
+        )
     if backend == "reference":
         from ucl.delta import _reference
 
@@ -195,8 +203,13 @@ def encode_chunk(new: np.ndarray, base: np.ndarray | None, encoding: str, level:
     return r  # type: ignore[no-any-return]
 
 
-def encode_chunk_into(new: np.ndarray, base: np.ndarray | None, encoding: str, out: np.ndarray | memoryview | bytearray,
-                      level: int = 1) -> int:
+def encode_chunk_into(
+    new: np.ndarray,
+    base: np.ndarray | None,
+    encoding: str,
+    out: np.ndarray | memoryview | bytearray,
+    level: int = 1,
+) -> int:
     """Like :func:`encode_chunk` (native backend) but writes into ``out`` and returns the length.
 
     For writers that place payloads straight into a shard buffer. ``out`` must hold at least
@@ -205,9 +218,11 @@ def encode_chunk_into(new: np.ndarray, base: np.ndarray | None, encoding: str, o
     """
     word = _check_words(new, base, "encode_chunk_into")
     if encoding not in ENCODINGS:
-        raise InvalidArgumentError(f"encode_chunk_into: encoding must be one of {sorted(ENCODINGS)}, got {encoding!r}")
+        raise InvalidArgumentError(
+            f"encode_chunk_into: encoding must be one of {sorted(ENCODINGS)}, got {encoding!r}"
+        )
     bound = payload_bound(new.nbytes, word)
-    cap = memoryview(out).nbytes
+    cap = out.nbytes if isinstance(out, np.ndarray) else memoryview(out).nbytes
     if cap < bound:
         raise InvalidArgumentError(f"encode_chunk_into: out holds {cap} bytes, the payload may need {bound}")
     r = int(_native().encode(new, base, word, ENCODINGS[encoding], int(level), out))
@@ -216,8 +231,13 @@ def encode_chunk_into(new: np.ndarray, base: np.ndarray | None, encoding: str, o
     return r
 
 
-def decode_chunk(payload: bytes | memoryview | bytearray, base: np.ndarray | None, out: np.ndarray, *,
-                 backend: Backend = "native") -> None:
+def decode_chunk(
+    payload: bytes | memoryview | bytearray,
+    base: np.ndarray | None,
+    out: np.ndarray,
+    *,
+    backend: Backend = "native",
+) -> None:
     """Decode one payload into ``out``: never returns wrong data, raises instead.
 
     Parameters

@@ -13,8 +13,14 @@ from typing import Any
 
 from ucl.errors import FormatError, SchemaError
 
-__all__ = ["CODEC_NAME", "DeltaRecord", "GRADIENT_RECORDS", "GradientRecords", "OptimizerFingerprint",
-           "parse_codec"]
+__all__ = [
+    "CODEC_NAME",
+    "DeltaRecord",
+    "GRADIENT_RECORDS",
+    "GradientRecords",
+    "OptimizerFingerprint",
+    "parse_codec",
+]
 
 CODEC_NAME = "ucl.delta"
 GRADIENT_RECORDS = "ucl.gradient_records"
@@ -59,7 +65,9 @@ class DeltaRecord:
             raise SchemaError(f"delta record: mode must be one of {MODES}, found {self.mode!r}")
         _int(self.base_step, "delta record: base_step")
         if self.mode == "chunked" and self.encoding not in ENCODINGS:
-            raise SchemaError(f"delta record: a chunked array needs encoding in {ENCODINGS}, found {self.encoding!r}")
+            raise SchemaError(
+                f"delta record: a chunked array needs encoding in {ENCODINGS}, found {self.encoding!r}"
+            )
         if self.mode == "unchanged" and self.encoding is not None:
             raise SchemaError("delta record: an unchanged array has no encoding")
 
@@ -75,7 +83,11 @@ class DeltaRecord:
         if d["mode"] not in MODES:
             raise SchemaError(f"{what}: mode must be one of {MODES}, found {d['mode']!r}")
         try:
-            return cls(mode=d["mode"], base_step=_int(d["base_step"], f"{what}: base_step"), encoding=d.get("encoding"))
+            return cls(
+                mode=d["mode"],
+                base_step=_int(d["base_step"], f"{what}: base_step"),
+                encoding=d.get("encoding"),
+            )
         except SchemaError as e:
             raise SchemaError(f"{what}: {e.message}") from None
 
@@ -95,7 +107,9 @@ def parse_codec(codec: Any, record: DeltaRecord, what: str = "ucl.delta codec") 
         raise SchemaError(f"{what}: must_understand cannot be false (a reader must not skip the delta codec)")
     conf = _keys(codec["configuration"], f"{what} configuration", {"encoding", "base_step"})
     if record.mode != "chunked" or conf != {"encoding": record.encoding, "base_step": record.base_step}:
-        raise FormatError(f"{what}: configuration {conf} disagrees with the array's delta record {record.to_dict()}")
+        raise FormatError(
+            f"{what}: configuration {conf} disagrees with the array's delta record {record.to_dict()}"
+        )
 
 
 @dataclass(frozen=True)
@@ -110,8 +124,14 @@ class OptimizerFingerprint:
     device: str = "cpu"  # device type and model, e.g. "cpu", "cuda:NVIDIA H200"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"torch_version": self.torch_version, "optimizer": self.optimizer, "options": dict(self.options),
-                "implementation": self.implementation, "dtype": self.dtype, "device": self.device}
+        return {
+            "torch_version": self.torch_version,
+            "optimizer": self.optimizer,
+            "options": dict(self.options),
+            "implementation": self.implementation,
+            "dtype": self.dtype,
+            "device": self.device,
+        }
 
     @classmethod
     def from_dict(cls, d: Any, what: str = "optimizer fingerprint") -> OptimizerFingerprint:
@@ -121,7 +141,9 @@ class OptimizerFingerprint:
             if not isinstance(d[k], str):
                 raise SchemaError(f"{what}: {k} must be a string, found {d[k]!r}")
         if d["implementation"] not in ("foreach", "fused", "for-loop"):
-            raise SchemaError(f"{what}: implementation must be foreach, fused or for-loop, found {d['implementation']!r}")
+            raise SchemaError(
+                f"{what}: implementation must be foreach, fused or for-loop, found {d['implementation']!r}"
+            )
         if not isinstance(d["options"], dict):
             raise SchemaError(f"{what}: options must be an object")
         return cls(**{k: d[k] for k in keys})
@@ -136,9 +158,15 @@ class GradientRecords:
     gradients: str = "grad/"  # prefix of the gradient tensors' names in the step
 
     def to_extension(self) -> dict[str, Any]:
-        return {"name": GRADIENT_RECORDS, "must_understand": True,
-                "configuration": {"base_step": self.base_step, "gradients": self.gradients,
-                                  "fingerprint": self.fingerprint.to_dict()}}
+        return {
+            "name": GRADIENT_RECORDS,
+            "must_understand": True,
+            "configuration": {
+                "base_step": self.base_step,
+                "gradients": self.gradients,
+                "fingerprint": self.fingerprint.to_dict(),
+            },
+        }
 
     @classmethod
     def from_extension(cls, ext: Any, what: str = GRADIENT_RECORDS) -> GradientRecords:
@@ -148,5 +176,8 @@ class GradientRecords:
         conf = _keys(ext["configuration"], f"{what} configuration", {"base_step", "gradients", "fingerprint"})
         if not isinstance(conf["gradients"], str):
             raise SchemaError(f"{what}: gradients must be a string prefix")
-        return cls(base_step=_int(conf["base_step"], f"{what}: base_step"), gradients=conf["gradients"],
-                   fingerprint=OptimizerFingerprint.from_dict(conf["fingerprint"], f"{what}: fingerprint"))
+        return cls(
+            base_step=_int(conf["base_step"], f"{what}: base_step"),
+            gradients=conf["gradients"],
+            fingerprint=OptimizerFingerprint.from_dict(conf["fingerprint"], f"{what}: fingerprint"),
+        )

@@ -17,8 +17,9 @@ from ucl.errors import DeltaChainError, IntegrityError, UCLError
 __all__ = ["validate_chain"]
 
 
-def validate_chain(repo: Any, step: int, meta: Any, max_chain: int = DEFAULT_MAX_CHAIN,
-                   check_bases: bool = True) -> Iterator[UCLError]:
+def validate_chain(
+    repo: Any, step: int, meta: Any, max_chain: int = DEFAULT_MAX_CHAIN, check_bases: bool = True
+) -> Iterator[UCLError]:
     """Check the chain of delta step ``step`` whose (already validated) step document is ``meta``.
 
     Parameters
@@ -69,8 +70,9 @@ def validate_chain(repo: Any, step: int, meta: Any, max_chain: int = DEFAULT_MAX
             record = DeltaRecord.from_dict(arr.delta, f"step {s}, tensor {name!r}: attributes.ucl.delta")
             if record.mode == "chunked":
                 parse_codec(arr.inner_codecs()[0], record, f"step {s}, tensor {name!r}: ucl.delta codec")
-        return ArrayInfo(s, name, tuple(arr.shape), arr.dtype, tuple(arr.chunk_shape), tuple(arr.inner_chunk_shape),
-                         record)
+        return ArrayInfo(
+            s, name, tuple(arr.shape), arr.dtype, tuple(arr.chunk_shape), tuple(arr.inner_chunk_shape), record
+        )
 
     checked: set[tuple[int, str]] = set()
     for name in sorted(meta.arrays):
@@ -78,8 +80,12 @@ def validate_chain(repo: Any, step: int, meta: Any, max_chain: int = DEFAULT_MAX
             links = resolve_array_chain(step, name, get_array, steps, max_chain)
         except DeltaChainError as e:
             cause = e.__cause__
-            if isinstance(cause, UCLError) and not isinstance(cause, DeltaChainError) and cause.code in (
-                    "schema_violation", "format_error") and (step, name) not in bad_records:
+            if (
+                isinstance(cause, UCLError)
+                and not isinstance(cause, DeltaChainError)
+                and cause.code in ("schema_violation", "format_error")
+                and (step, name) not in bad_records
+            ):
                 bad_records.add((step, name))
                 yield cause  # the record or codec itself is invalid: report that, not a chain error
             else:
@@ -96,7 +102,9 @@ def validate_chain(repo: Any, step: int, meta: Any, max_chain: int = DEFAULT_MAX
             rec = records.get(link.step)
             arr = metas[link.step].arrays[name]
             prefix = f"{arr.key}/c"
-            for rel in sorted(r for r in (rec.files if rec is not None else {}) if r == prefix or r.startswith(prefix + "/")):
+            for rel in sorted(
+                r for r in (rec.files if rec is not None else {}) if r == prefix or r.startswith(prefix + "/")
+            ):
                 if (link.step, rel) in checked:
                     continue
                 checked.add((link.step, rel))
@@ -104,5 +112,8 @@ def validate_chain(repo: Any, step: int, meta: Any, max_chain: int = DEFAULT_MAX
                     repo.read_verified(link.step, rel, rec)
                 except IntegrityError as e:
                     yield DeltaChainError(
-                        f"step {step} depends on step {link.step}, whose tensor {name!r} is corrupt: [{e.code}] {e.message}",
-                        tensor=name, file=e.file)
+                        f"step {step} depends on step {link.step}, whose tensor {name!r} is corrupt: "
+                        f"[{e.code}] {e.message}",
+                        tensor=name,
+                        file=e.file,
+                    )
