@@ -311,3 +311,23 @@ def test_megatron_gpt_reshards_between_configurations():
         assert_same(
             apply_reads(store, plan_load(arrays, dst, dst_mesh, r)), shard_local_state(full, dst, dst_mesh, r)
         )
+
+
+def test_load_a_selection_of_tensors():
+    cfg = dict(num_layers=2, num_heads=4, num_kv_heads=2, hidden=8, ffn_hidden=12, vocab_size=30)
+    full = {}
+    for n, s in megatron_gpt_params(**cfg):
+        full["model/" + n] = torch.ones(s)
+        full[f"optim/state/{n}/exp_avg"] = torch.zeros(s)
+    mesh = Mesh.of(pp=1, dp=2, tp=2)
+    layout = megatron_gpt(**cfg, zero=mesh)
+    _, _, arrays, store = save(full, mesh, layout)
+    model = [n for n in full if n.startswith("model/")]
+    plan = plan_load(arrays, layout, mesh, 3, tensors=model)  # model only: the flat statement matches nothing
+    assert sorted(plan.local) == sorted(
+        n for n in shard_local_state(full, layout, mesh, 3) if n.startswith("model/")
+    )
+    from ucl.errors import TensorNotFoundError
+
+    with pytest.raises(TensorNotFoundError, match="no tensor 'model/nope' in the step"):
+        plan_load(arrays, layout, mesh, 0, tensors=["model/nope"])

@@ -299,8 +299,9 @@ def merge_plans(plans: Sequence[SavePlan]) -> dict[str, ArraySpec]:
             writers[key] = p.rank
         for kind, idx in p.matched.items():
             matched[kind].update(idx)
-    for name, spec in arrays.items():
-        for chunk in sorted(stored_chunks(spec)):
+    holding = {name: stored_chunks(spec) for name, spec in arrays.items()}
+    for name in arrays:
+        for chunk in sorted(holding[name]):
             if (name, chunk) not in writers:
                 raise LayoutShapeError(
                     f"chunk {list(chunk)} of {name!r} holds data but no rank writes it "
@@ -308,7 +309,7 @@ def merge_plans(plans: Sequence[SavePlan]) -> dict[str, ArraySpec]:
                     tensor=name,
                 )
     for (name, chunk), rank in writers.items():
-        if chunk not in stored_chunks(arrays[name]):
+        if chunk not in holding[name]:
             raise LayoutShapeError(
                 f"rank {rank} writes chunk {list(chunk)} of {name!r}, which holds no data", tensor=name
             )

@@ -115,9 +115,11 @@ class SavePlan:
 class ReadItem:
     """Copy ``stored_box`` of ``array`` into ``local_box`` of ``local_name``.
 
-    When ``local_view`` = (offset, shape) is set, ``local_box`` is a box of the view
-    ``local.flatten()[offset:offset + prod(shape)].reshape(shape)``. When ``reduce`` is "sum", add into
-    the destination (which starts at zero) instead of copying; such items come in a fixed order.
+    The stored box's values in row-major order fill the local box in row-major order (a stored box of a
+    flat array is 1-D). When ``local_view`` = (offset, shape) is set, ``local_box`` is a box of the view
+    ``local.flatten()[offset:offset + prod(shape)].reshape(shape)`` (a flat buffer). When ``reduce`` is
+    "sum", add into the destination instead of copying: the contributions of a partial tensor, whose
+    first contribution is copied by an earlier item; apply items in order.
     """
 
     array: str

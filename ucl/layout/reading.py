@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,8 +137,31 @@ def logical_read(
     return LogicalIndex(arrays).read(name, box, sum_partial=sum_partial)
 
 
-def plan_load(arrays: Mapping[str, ArraySpec], layout: Layout, mesh: Mesh, rank: int) -> LoadPlan:
+def plan_load(
+    arrays: Mapping[str, ArraySpec],
+    layout: Layout,
+    mesh: Mesh,
+    rank: int,
+    *,
+    tensors: Iterable[str] | None = None,
+) -> LoadPlan:
     """The tensors ``rank`` of the target configuration (layout, mesh) holds and the boxes to read.
+
+    Parameters
+    ----------
+    arrays
+        The step's arrays (all of them: a logical tensor may span several).
+    layout, mesh, rank
+        The target configuration and this rank in it.
+    tensors
+        Load only these logical tensors (default: all). With a selection, statements that match no
+        selected tensor are not errors (a model-only load with a layout that also covers the optimizer).
+
+    Returns
+    -------
+    LoadPlan
+        ``local``: the local tensors to allocate (name -> (shape, dtype)); ``zero``: those to zero first;
+        ``items``: the copies, each target element covered once (partial sums: a copy, then additions).
 
     Raises
     ------
@@ -146,7 +169,14 @@ def plan_load(arrays: Mapping[str, ArraySpec], layout: Layout, mesh: Mesh, rank:
         When the target layout does not fit the stored tensors.
     """
     index = LogicalIndex(arrays)
-    local = expected_local(layout, mesh, rank, index.tensors)
+    logical = index.tensors
+    if tensors is not None:
+        wanted = set(tensors)
+        missing = sorted(wanted - set(logical))
+        if missing:
+            raise TensorNotFoundError(f"no tensor {missing[0]!r} in the step", tensor=missing[0])
+        logical = {n: v for n, v in logical.items() if n in wanted}
+    local = expected_local(layout, mesh, rank, logical, complete=tensors is None)
     items: list[ReadItem] = []
     zero: set[str] = set()
     for name, lt in local.items():

@@ -138,6 +138,7 @@ class Resolver:
     def __post_init__(self) -> None:
         check_mesh(self.layout, self.mesh)
         self.bounds = [r.stage_bounds(self.mesh) for r in self.layout.renumbers]
+        self.members = [frozenset(m for m, _ in f.members) for f in self.layout.flats]
 
     # -- renumbering (§7.5)
     def to_logical(self, local: str, coords: Mapping[str, int]) -> str:
@@ -263,7 +264,7 @@ class Resolver:
         local, need = self.to_local(logical)
         for fi, f in enumerate(self.layout.flats):
             m = patterns.template_regex(f.logical).fullmatch(local)
-            if m is not None and m.group("member") in {x for x, _ in f.members}:
+            if m is not None and m.group("member") in self.members[fi]:
                 return fi, m.group("member"), m.groupdict().get("state"), need
         return None
 
