@@ -1,0 +1,520 @@
+"""The demo (``python -m ucl.demo``, which ``./dev demo`` runs): ucl on a small model, end to end, on CPU.
+
+Acts, in order (each a function of :class:`Demo`; later features add theirs to :data:`ACTS`):
+
+1. train      train a small GPT for ``--steps`` steps, ``ucl.save`` of model + AdamW state every step
+2. crash      a child process resumes from the latest step, trains and saves, and is SIGKILLed in the
+              middle of a save: the latest committed step is intact, the half-written step is invisible
+3. resume     reload the latest step into a fresh model and optimizer and train on: every loss, and the
+              final state, equal those of an uninterrupted run bit for bit
+4. lazy_read  ``ckpt[name][:8]`` reads only the inner chunks holding those rows
+5. validate   ``ucl.validate`` over every committed step
+6. native     the same bytes through zarr-python and through tensorstore (in a process with no ucl code)
+
+Exit status: 0 when every check passes, 1 when one fails, 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import ucl
+from ucl import names
+from ucl.errors import CheckpointNotFoundError
+from ucl.storage import LocalStore
+from ucl.testing.gpt import (
+    SyntheticData,
+    full_state,
+    get_config,
+    load_full_state,
+    make_model_and_optimizer,
+    train_step,
+)
+
+EMBEDDING = "model/embedding.word_embeddings.weight"
+MARKER = ".ucl-demo"  # a --dir holding this file is a previous demo output and may be replaced
+CHILD_TIMEOUT_S = 300.0
+
+
+# -- the demo's state, shared by the acts --------------------------------------------------------
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class Demo:
+    """What the acts share. An act reads what earlier acts left here and adds its own results."""
+
+    args: argparse.Namespace
+    root: str  # the demo directory
+    repo: str  # the checkpoint repository inside it
+    model: Any = None  # the uninterrupted run (in memory; never reloaded)
+    opt: Any = None
+    data: SyntheticData | None = None
+    step: int = 0  # the uninterrupted run's last step
+    losses: dict[int, float] = field(default_factory=dict)  # uninterrupted run: step -> loss
+    train_times: list[float] = field(default_factory=list)
+    save_times: list[float] = field(default_factory=list)
+    step_bytes: int = 0  # bytes one committed step occupies (from its commit record)
+    n_tensors: int = 0
+    crash_losses: dict[int, float] = field(default_factory=dict)  # losses the crashed child reported
+    crashed_step: int | None = None  # the step whose save was killed
+    resumed: Any = None  # (model, opt) of the run resumed from the repository
+    checks: list[Check] = field(default_factory=list)
+    summary: dict[str, str] = field(default_factory=dict)  # ordered lines of the closing summary
+
+    def check(self, name: str, ok: bool, detail: str = "") -> bool:
+        self.checks.append(Check(name, bool(ok), detail))
+        print(f"  [{'ok' if ok else 'FAIL'}] {name}{': ' + detail if detail else ''}", flush=True)
+        return bool(ok)
+
+    def latest(self) -> int:
+        with ucl.open(self.repo) as ck:
+            return ck.step
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (NaN payloads and signed zeros included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = a.detach().contiguous().reshape(-1), b.detach().contiguous().reshape(-1)
+    return bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
+
+
+def states_bit_equal(x: Mapping[str, Any], y: Mapping[str, Any]) -> tuple[bool, str]:
+    """Compare two nested state dicts: structure, JSON leaves, and every tensor's bytes."""
+    tx, treex = names.flatten(x)
+    ty, treey = names.flatten(y)
+    if treex != treey:
+        return False, "structure or non-tensor values differ"
+    bad = [n for n in tx if not bit_equal(tx[n], ty[n])]
+    if bad:
+        return False, f"{len(bad)} of {len(tx)} tensors differ, e.g. {bad[0]!r}"
+    return True, f"{len(tx)} tensors, {fmt_bytes(sum(t.nbytes for t in tx.values()))}"
+
+
+def record_bytes(record: Any) -> int:
+    return sum(size for size, _crc in record.files.values())
+
+
+# -- act 1: train, saving every step -------------------------------------------------------------
+def act_train(d: Demo) -> None:
+    a = d.args
+    d.model, d.opt = make_model_and_optimizer(a.preset, a.seed)
+    d.data = SyntheticData(d.model.config, a.seed)
+    c = d.model.config
+    print(f"  {a.preset}: {c.n_params / 1e6:.2f}M parameters (vocab {c.vocab}, d_model {c.d_model}, "
+          f"{c.n_layers} layers, {c.n_heads} heads / {c.n_kv_heads} kv heads), "
+          f"batch {d.data.batch_size}x{c.seq_len}, {torch.get_num_threads()} threads")
+    for step in range(1, a.steps + 1):
+        t0 = time.perf_counter()
+        d.losses[step] = train_step(d.model, d.opt, d.data.batch(step))
+        t1 = time.perf_counter()
+        record = ucl.save(full_state(d.model, d.opt), d.repo, step=step)
+        t2 = time.perf_counter()
+        d.train_times.append(t1 - t0)
+        d.save_times.append(t2 - t1)
+        d.step_bytes = record_bytes(record)
+        d.n_tensors = len(record.files)
+        if step <= 3 or step % 5 == 0 or step == a.steps:
+            print(f"  step {step:3d}  loss {d.losses[step]:.4f}  train {t1 - t0:.3f} s  save {t2 - t1:.3f} s")
+    d.step = a.steps
+    first, last = d.losses[1], d.losses[a.steps]
+    d.check("loss decreases", last < first,
+            f"{first:.4f} -> {last:.4f} (best possible <= {d.data.loss_bound:.2f})")
+    d.check("every step committed", ucl.Repository.open(d.repo).steps() == list(range(1, a.steps + 1)),
+            f"steps 1..{a.steps}")
+    d.summary["model"] = (f"{a.preset}: {c.n_params / 1e6:.2f}M params; model + AdamW state "
+                          f"{fmt_bytes(d.step_bytes)} per step on disk")
+
+
+# -- act 2: crash in the middle of a save --------------------------------------------------------
+class PausingStore(LocalStore):
+    """A local store that, once it has written ``after`` files of step ``step``, announces it and waits
+    (to be SIGKILLed): a crash in the middle of a save, at a known point."""
+
+    def __init__(self, root: str, step: int, after: int, total: int) -> None:
+        super().__init__(root)
+        self.prefix = f"steps/{step}/"
+        self.after, self.total, self.written = after, total, 0
+
+    def write(self, key: str, buffers: Any) -> tuple[int, int]:
+        out = super().write(key, buffers)
+        if key.startswith(self.prefix) and not key.endswith("zarr.json"):
+            self.written += 1
+            if self.written == self.after:
+                print(f"CRASH-POINT {self.prefix.split('/')[1]} {self.written} {self.total}", flush=True)
+                time.sleep(CHILD_TIMEOUT_S)  # the parent kills us here; if it died instead, never commit
+                os._exit(4)
+        return out
+
+
+def crash_child(a: argparse.Namespace) -> int:
+    """The child of act 2: resume from the latest step, train and save ``--crash-after`` steps, then
+    train one more and die during its save."""
+    torch.set_num_threads(a.threads)
+    model, opt = make_model_and_optimizer(a.preset, a.seed)
+    data = SyntheticData(model.config, a.seed)
+    with ucl.open(a.dir) as ck:
+        start = ck.step
+        load_full_state(model, opt, ck.load())
+    print(f"RESUMED {start}", flush=True)
+    step = start
+    for step in range(start + 1, start + a.crash_after + 1):
+        loss = train_step(model, opt, data.batch(step))
+        ucl.save(full_state(model, opt), a.dir, step=step)
+        print(f"COMMITTED {step} {loss!r}", flush=True)
+    step += 1
+    loss = train_step(model, opt, data.batch(step))
+    print(f"TRAINED {step} {loss!r}", flush=True)
+    state = full_state(model, opt)
+    total = len(names.flatten(state)[0])
+    ucl.save(state, PausingStore(a.dir, step, max(1, total // 2), total), step=step)
+    print("SAVE-RETURNED", flush=True)  # the parent should have killed us before this
+    return 3
+
+
+def _reader(stream: Any, q: queue.Queue[str | None]) -> None:
+    for line in stream:
+        q.put(line)
+    q.put(None)
+
+
+def _watch_child(d: Demo, proc: subprocess.Popen[str]) -> tuple[int, int, int] | None:
+    """Follow the child's progress lines until it reaches the crash point: (step, written, total)."""
+    out: queue.Queue[str | None] = queue.Queue()
+    err: list[str] = []
+    threading.Thread(target=_reader, args=(proc.stdout, out), daemon=True).start()
+    threading.Thread(target=lambda: err.extend(proc.stderr or []), daemon=True).start()
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    while True:
+        try:
+            line = out.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            line = None
+        if line is None:  # the child ended (or hung) without reaching the crash point
+            time.sleep(0.2)
+            sys.stderr.write("".join(err[-40:]))
+            return None
+        word, *rest = line.split() or [""]
+        if word == "RESUMED":
+            print(f"  child pid {proc.pid}: resumed from step {rest[0]}")
+        elif word == "COMMITTED":
+            d.crash_losses[int(rest[0])] = float(rest[1])
+            print(f"  child: step {rest[0]} trained and committed")
+        elif word == "TRAINED":
+            d.crash_losses[int(rest[0])] = float(rest[1])
+            print(f"  child: step {rest[0]} trained, saving it...")
+        elif word == "CRASH-POINT":
+            return int(rest[0]), int(rest[1]), int(rest[2])
+
+
+def act_crash(d: Demo) -> None:
+    a = d.args
+    cmd = [sys.executable, "-m", "ucl.demo", "--crash-child", "--dir", d.repo, "--preset", a.preset,
+           "--seed", str(a.seed), "--threads", str(torch.get_num_threads()),
+           "--crash-after", str(a.crash_after)]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        crash = _watch_child(d, proc)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    if crash is None:
+        d.check("child reached the crash point", False, f"exit status {proc.returncode}")
+        return
+    crashed, written, total = crash
+    print(f"  SIGKILL while saving step {crashed}: {written} of {total} shard files written "
+          f"({time.perf_counter() - t0:.1f} s after the child started)")
+    d.check("child killed by SIGKILL", proc.returncode == -signal.SIGKILL, f"exit status {proc.returncode}")
+    committed = crashed - 1
+    latest = d.latest()
+    d.check("ucl.open(repo) gives the latest committed step", latest == committed, f"step {latest}")
+    step_dir = os.path.join(d.repo, "steps", str(crashed))
+    n_files = sum(len(fs) for _, _, fs in os.walk(step_dir))
+    has_record = os.path.exists(os.path.join(d.repo, "commits", f"{crashed}.json"))
+    print(f"  on disk: steps/{crashed}/ holds {n_files} files; commits/{crashed}.json "
+          f"{'exists' if has_record else 'does not exist'}")
+    try:
+        ucl.open(d.repo, step=crashed)
+        d.check(f"partial step {crashed} is invisible", False, "ucl.open opened it")
+    except CheckpointNotFoundError as e:
+        d.check(f"partial step {crashed} is invisible",
+                n_files > 0 and not has_record and crashed not in ucl.Repository.open(d.repo).steps(),
+                f"ucl.open(repo, step={crashed}) -> {type(e).__name__} ({e.code})")
+    d.crashed_step = crashed
+    d.summary["crash"] = (f"SIGKILL mid-save of step {crashed} ({written}/{total} shard files written): "
+                          f"latest = {latest}, step {crashed} invisible")
+
+
+# -- act 3: resume and compare with the uninterrupted run ---------------------------------------
+def act_resume(d: Demo) -> None:
+    a = d.args
+    assert d.data is not None
+    end = d.latest() + 1 + a.resume_steps
+    # the uninterrupted run goes on in memory, never reloaded
+    for step in range(d.step + 1, end + 1):
+        d.losses[step] = train_step(d.model, d.opt, d.data.batch(step))
+    d.step = end
+    if d.crash_losses:
+        same = all(d.losses[s] == v for s, v in d.crash_losses.items())
+        d.check("child's losses equal the uninterrupted run's (another process)", same,
+                ", ".join(f"step {s}: {v!r}" for s, v in sorted(d.crash_losses.items())))
+    # a different init: everything must come from the checkpoint
+    model, opt = make_model_and_optimizer(a.preset, a.seed + 1)
+    t0 = time.perf_counter()
+    with ucl.open(d.repo) as ck:
+        start = ck.step
+        load_full_state(model, opt, ck.load())
+    t_load = time.perf_counter() - t0
+    print(f"  loaded step {start} into a fresh model and optimizer in {t_load:.3f} s")
+    exact = True
+    for step in range(start + 1, end + 1):
+        loss = train_step(model, opt, d.data.batch(step))
+        t1 = time.perf_counter()
+        ucl.save(full_state(model, opt), d.repo, step=step)
+        d.save_times.append(time.perf_counter() - t1)
+        same = loss == d.losses[step]
+        exact &= same
+        d.check(f"step {step} loss after resume == uninterrupted", same,
+                f"{loss!r} vs {d.losses[step]!r}" + (" (bit-exact)" if same else ""))
+    ok, detail = states_bit_equal(full_state(model, opt), full_state(d.model, d.opt))
+    d.check(f"state at step {end} after resume == uninterrupted", ok, detail)
+    d.resumed = (model, opt)
+    d.summary["resume"] = (f"from step {start} (load {t_load:.2f} s): steps {start + 1}..{end} losses and "
+                           f"final state {'bit-exact' if exact and ok else 'DIFFER'} vs an uninterrupted run")
+
+
+# -- act 4: read a slice lazily ------------------------------------------------------------------
+def act_lazy_read(d: Demo) -> None:
+    with ucl.open(d.repo) as ck:
+        lt = ck[EMBEDDING]
+        before = ck.bytes_read
+        rows = lt[:8]
+        read = ck.bytes_read - before
+        inner = lt.meta.inner_chunk_shape
+    print(f"  ucl.open(repo)[{EMBEDDING!r}][:8] at step {ck.step}: shape {list(rows.shape)}")
+    print(f"  bytes read {fmt_bytes(read)} of {fmt_bytes(lt.nbytes)} ({100 * read / lt.nbytes:.1f}%); "
+          f"inner chunks of {inner[0]} rows ({fmt_bytes(lt.nbytes * inner[0] / lt.shape[0])}) are the unit "
+          "of reading")
+    expected = full_state(*d.resumed)["model"]["embedding.word_embeddings.weight"][:8] if d.resumed else None
+    if expected is not None:
+        d.check("slice equals the model's rows", bit_equal(rows, expected), "bit-exact")
+    row_bytes = lt.nbytes // max(1, lt.shape[0])
+    needed = -(-8 // inner[0]) * inner[0] * row_bytes  # the inner chunks holding rows 0..7
+    index = 16 * -(-lt.shape[0] // inner[0]) + 4  # the shard index (offset, length per inner chunk; crc32c)
+    d.check("slice reads only the inner chunks it needs", read <= needed + index + 64,
+            f"{read} bytes read: {needed} of chunk data + {read - needed} of shard index")
+    d.summary["lazy read"] = (f"embedding[:8]: {fmt_bytes(read)} read of {fmt_bytes(lt.nbytes)} "
+                              f"({100 * read / lt.nbytes:.1f}%)")
+
+
+# -- act 5: validate -----------------------------------------------------------------------------
+def act_validate(d: Demo) -> None:
+    try:
+        validate: Callable[..., Any] = ucl.validate
+        t0 = time.perf_counter()
+        report = validate(d.repo)
+    except (ImportError, AttributeError) as e:
+        print(f"  skipped: ucl.validate is not available yet ({type(e).__name__}: {e})")
+        d.summary["validate"] = "skipped (ucl.validate not available)"
+        return
+    dt = time.perf_counter() - t0
+    ok = report.ok if hasattr(report, "ok") else bool(report)
+    problems = list(getattr(report, "problems", []))
+    steps = getattr(report, "steps", None)
+    checked = getattr(report, "bytes_checked", None)
+    what = f"{len(steps)} steps" if steps is not None else "repository"
+    if checked:
+        what += f", {fmt_bytes(checked)} checksummed"
+    for p in problems[:10]:
+        print(f"  problem: {p}")
+    d.check("ucl.validate(repo)", ok, f"{'valid' if ok else 'INVALID'} ({what}, {dt:.2f} s)")
+    verdict = "valid" if ok else f"INVALID ({len(problems)} problems)"
+    d.summary["validate"] = f"{verdict}: {what} in {dt:.2f} s"
+
+
+# -- act 6: native readers -----------------------------------------------------------------------
+TENSORSTORE_READER = r"""
+import json, sys
+import tensorstore as ts
+a = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": sys.argv[1]}}, read=True).result()
+x = a.read().result()
+ucl_modules = sorted(m for m in sys.modules if m == "ucl" or m.startswith("ucl."))
+head = {"shape": list(x.shape), "dtype": str(x.dtype), "ucl_modules": ucl_modules}
+sys.stdout.write(json.dumps(head) + "\n")
+sys.stdout.flush()
+sys.stdout.buffer.write(x.tobytes())
+"""
+
+
+def act_native(d: Demo) -> None:
+    import numpy as np
+    import zarr
+
+    ck = ucl.open(d.repo)
+    step = ck.step
+    names_ = [EMBEDDING, "optim/state/0/exp_avg_sq"]
+    names_ = [n for n in names_ if n in ck]
+    expected = {n: ck[n].read() for n in names_}
+    ck.close()
+    step_path = os.path.join(d.repo, "steps", str(step))
+    group = zarr.open_group(step_path, mode="r")
+    for n in names_:
+        arr = group[names.to_key(n)]
+        assert isinstance(arr, zarr.Array)
+        got = torch.from_numpy(np.ascontiguousarray(arr[...]))
+        d.check(f"zarr-python reads {n}", bit_equal(got, expected[n]),
+                f"{arr.shape} {arr.dtype}, bit-exact with ucl")
+    n = names_[0]
+    array_path = os.path.join(step_path, names.to_key(n))
+    proc = subprocess.run([sys.executable, "-c", TENSORSTORE_READER, array_path],
+                          capture_output=True, timeout=CHILD_TIMEOUT_S)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr.decode(errors="replace")[-4000:])
+        d.check(f"tensorstore reads {n}", False, f"exit status {proc.returncode}")
+        return
+    head, _, raw = proc.stdout.partition(b"\n")
+    info = json.loads(head)
+    got = torch.frombuffer(bytearray(raw), dtype=expected[n].dtype).reshape(info["shape"])
+    d.check(f"tensorstore (zarr3 driver) reads {n}", bit_equal(got, expected[n]) and not info["ucl_modules"],
+            f"{info['shape']} {info['dtype']}, bit-exact, in a process with no ucl module loaded")
+    d.summary["native"] = (f"step {step} read bit-exactly by zarr-python {zarr.__version__} and "
+                           "tensorstore (zarr3 driver)")
+
+
+# The acts, in order. Later issues add theirs (engine saves with CheckpointManager, resharding, deltas,
+# zarr mount): a function taking the Demo, printing its lines, calling d.check(...) for each claim and
+# adding a line to d.summary. An act that raises stops the demo (exit 1).
+ACTS: list[tuple[str, Callable[[Demo], None]]] = [
+    ("train", act_train),
+    ("crash", act_crash),
+    ("resume", act_resume),
+    ("lazy_read", act_lazy_read),
+    ("validate", act_validate),
+    ("native", act_native),
+]
+
+
+# -- driver --------------------------------------------------------------------------------------
+class UsageError(Exception):
+    pass
+
+
+def prepare_dir(root: str) -> None:
+    """Make ``root`` a fresh, empty demo directory; replace it only if it is a previous demo output."""
+    if os.path.exists(root):
+        if not os.path.isdir(root):
+            raise UsageError(f"{root} exists and is not a directory")
+        if os.listdir(root) and not os.path.exists(os.path.join(root, MARKER)):
+            raise UsageError(f"{root} is not empty and not a previous demo output; choose another --dir")
+        shutil.rmtree(root)
+    os.makedirs(root)
+    with open(os.path.join(root, MARKER), "w") as f:
+        f.write("written by python -m ucl.demo; removed and rewritten by the next run\n")
+
+
+def print_summary(d: Demo, elapsed: float) -> None:
+    med = statistics.median
+    rows = dict(d.summary)
+    if d.train_times and d.save_times:
+        tr, sv = med(d.train_times), med(d.save_times)
+        steps = ucl.Repository.open(d.repo).steps()
+        rows = {
+            "model": rows.pop("model", ""),
+            "steps": f"{len(steps)} committed ({steps[0]}..{steps[-1]}), {fmt_bytes(d.step_bytes)} and "
+                     f"{d.n_tensors} files per step, {fmt_bytes(d.step_bytes * len(steps))} in {d.repo}",
+            "time": f"train step {tr * 1e3:.0f} ms, save {sv * 1e3:.0f} ms ({sv / tr:.1f}x a train step, "
+                    f"{fmt_bytes(d.step_bytes / sv)}/s; medians, synchronous ucl.save)",
+            **rows,
+        }
+    failed = [c for c in d.checks if not c.ok]
+    rows["checks"] = f"{len(d.checks) - len(failed)} passed, {len(failed)} failed"
+    rows["total"] = f"{elapsed:.1f} s"
+    print("\nsummary")
+    width = max(map(len, rows))
+    for k, v in rows.items():
+        print(f"  {k:<{width}}  {v}")
+    for c in failed:
+        print(f"  FAILED: {c.name}: {c.detail}")
+    print("DEMO OK" if not failed else "DEMO FAILED")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ucl.demo", description=__doc__.split("\n")[0])
+    p.add_argument("--dir", default="demo-out", help="fresh output directory (default ./demo-out; a previous "
+                                                     "demo output there is replaced)")
+    p.add_argument("--steps", type=int, default=25,
+                   help="steps trained before the crash (default 25: 30 with the child's and resumed ones)")
+    p.add_argument("--preset", default="small", choices=["tiny", "small", "medium"],
+                   help="model size (default small; tiny runs in seconds)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's, at most 4)")
+    p.add_argument("--crash-after", type=int, default=2, help="steps the child commits before it is killed")
+    p.add_argument("--resume-steps", type=int, default=2, help="steps trained after the crashed one")
+    p.add_argument("--crash-child", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.steps < 2 or a.crash_after < 0 or a.resume_steps < 0:
+        p.error("--steps must be >= 2; --crash-after and --resume-steps >= 0")
+    get_config(a.preset)
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    torch.set_num_threads(a.threads or min(4, torch.get_num_threads()))
+    if a.crash_child:
+        return crash_child(a)
+    root = os.path.abspath(a.dir)
+    try:
+        prepare_dir(root)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    d = Demo(args=a, root=root, repo=os.path.join(root, "ckpt"))
+    print(f"ucl {ucl.__version__} demo: checkpoints in {d.repo}")
+    t0 = time.perf_counter()
+    for i, (name, act) in enumerate(ACTS, 1):
+        print(f"\n[{i}/{len(ACTS)}] {name}", flush=True)
+        try:
+            act(d)
+        except Exception as e:  # a broken act: say where, and stop
+            traceback.print_exc()
+            d.check(f"act {name} ran", False, f"{type(e).__name__}: {e}")
+            break
+    print_summary(d, time.perf_counter() - t0)
+    return 0 if all(c.ok for c in d.checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
