@@ -11,6 +11,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from ucl.errors import InvalidLayoutError
 from ucl.layout import Mesh, layout_from_dtensors, mesh_rank, plan_save, shard_local_state
 
 from .helpers import local_shapes
@@ -41,7 +42,7 @@ def _dtensor(full, mesh, placements):
 
 def test_layout_from_dtensor_placements(fake_world):
     full = {
-        "col": torch.arange(40.0).reshape(10, 4),  # FSDP2 + TP colwise: tp first, then dp (uneven)
+        "col": torch.arange(64.0).reshape(16, 4),  # FSDP2 + TP colwise: tp first, then dp
         "row": torch.arange(36.0).reshape(4, 9),  # TP rowwise on dim 1, FSDP on dim 0
         "nested": torch.arange(10.0),  # Shard(0) on both mesh dims: dp first, then tp
         "norm": torch.ones(4),
@@ -60,7 +61,7 @@ def test_layout_from_dtensor_placements(fake_world):
     assert layout.to_text() == (
         "ucl-layout 1\n"
         "mesh dp=2 tp=4\n"
-        '"model/col": size(0, 10), shard(0, tp), shard(0, dp)\n'
+        '"model/col": size(0, 16), shard(0, tp), shard(0, dp)\n'
         '"model/row": size(0, 4), shard(0, dp), size(1, 9), shard(1, tp)\n'
         '"model/nested": size(0, 10), shard(0, dp), shard(0, tp)\n'
         '"model/acc": size(0, 8), shard(0, tp), partial(dp)\n'
@@ -76,5 +77,14 @@ def test_layout_from_dtensor_placements(fake_world):
     # the global sizes are declared: a rank plans its save with no other rank's shapes
     local = {f"model/{n}": t.to_local() for n, t in sd["model"].items()}
     plan = plan_save(layout, layout.mesh, rank, local_shapes(local | {"step": torch.tensor(3)}))
-    assert plan.arrays["model/col"].shape == (16, 4)  # 10 -> 3,3,3,1 -> 2,1 2,1 2,1 1,0: 8 blocks of 2
+    assert plan.arrays["model/col"].shape == (16, 4) and plan.arrays["model/col"].logical == {}
+    col = next(w for w in plan.writes if w.array.name == "model/col")  # blocks in tp-major order
+    assert col.chunk_index == (5, 0) and col.stored_box == ((10, 0), (2, 4))  # rank (dp 1, tp 2)
+    assert plan.arrays["model/nested"].shape == (16,)  # 10 -> 5, 5 -> 2,2,1,0 each: 8 blocks of 2
     assert plan.arrays["model/row"].shape == (4, 9) and plan.arrays["model/row"].logical == {}
+
+
+def test_uneven_strided_shards_are_refused(fake_world):
+    t = _dtensor(torch.zeros(10, 4), fake_world, [_StridedShard(0, split_factor=4), Shard(0)])
+    with pytest.raises(InvalidLayoutError, match=r"_StridedShard of dim 0 \(10 over 4 \* 2\) is uneven"):
+        layout_from_dtensors({"w": t})

@@ -105,6 +105,9 @@ def test_nested_shards_match_dtensor(shape, m0, m1, p0, p1, strided):
     placements_, text = [dplace(p0), dplace(p1)], []
     if strided and p0 == p1 and p0 != "R":  # FSDP2 + TP: _StridedShard on dp, Shard on tp
         d = int(p0[1])
+        shape[d] = (
+            shape[d] // (m0 * m1) * (m0 * m1)
+        )  # even only: DTensor's uneven strided shards are not blocks
         placements_[0] = _StridedShard(d, split_factor=m1)
         text = [f"shard({d}, b)", f"shard({d}, a)"]
     else:
@@ -294,23 +297,41 @@ def test_partial_tensors_are_stored_per_rank_and_summed_on_read():
     del full
 
 
-def test_megatron_gpt_reshards_between_configurations():
+def test_megatron_gpt_last_stage_holds_what_megatron_does():
+    cfg = dict(num_layers=4, num_heads=4, num_kv_heads=2, hidden=8, ffn_hidden=12, vocab_size=30)
+    full = {}
+    for n, s in megatron_gpt_params(**cfg):
+        full["model/" + n] = torch.zeros(s)
+        full[f"optim/state/{n}/exp_avg"] = torch.zeros(s)
+    mesh = Mesh.of(pp=2, dp=2, tp=2)
+    local = shard_local_state(full, megatron_gpt(**cfg, zero=mesh), mesh, 7)  # last stage, dp=1, tp=1
+    assert "model/output_layer.weight" in local and "model/embedding.word_embeddings.weight" not in local
+    assert local["model/output_layer.weight"].shape == (128, 8)  # vocab 30 padded to 256 over tp=2
+    assert sorted(n for n in local if n.startswith("optim")) == ["optim/flat/exp_avg"]
+    assert sorted(n for n in local if ".layers." in n)[0] == "model/decoder.layers.0.input_layernorm.weight"
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "zero"),
+    [
+        ((2, 2, 2), (4, 1, 1), (True, False)),
+        ((4, 2, 1), (2, 1, 2), (True, True)),  # middle stages hold only layers: their flats match by stage
+        ((1, 1, 4), (4, 2, 1), (False, True)),
+    ],
+)
+def test_megatron_gpt_reshards_between_configurations(src, dst, zero):
     cfg = dict(num_layers=4, num_heads=4, num_kv_heads=2, hidden=8, ffn_hidden=12, vocab_size=30)
     full = {}
     for i, (n, s) in enumerate(megatron_gpt_params(**cfg)):
         full["model/" + n] = torch.arange(float(np.prod(s))).reshape(s) + 100 * i
         full[f"optim/state/{n}/exp_avg"] = -full["model/" + n]
-    src_mesh, dst_mesh = Mesh.of(pp=2, dp=2, tp=2), Mesh.of(pp=4, dp=1, tp=1)
-    src, dst = megatron_gpt(**cfg, zero=src_mesh), megatron_gpt(**cfg)
-    local = shard_local_state(full, src, src_mesh, 7)  # last stage, dp=1, tp=1
-    assert "model/output_layer.weight" in local and "model/embedding.word_embeddings.weight" not in local
-    assert local["model/output_layer.weight"].shape == (128, 8)  # vocab 30 padded to 256 over tp=2
-    assert sorted(n for n in local if n.startswith("optim")) == ["optim/flat/exp_avg"]
-    _, _, arrays, store = save(full, src_mesh, src)
+    src_mesh, dst_mesh = Mesh.of(pp=src[0], dp=src[1], tp=src[2]), Mesh.of(pp=dst[0], dp=dst[1], tp=dst[2])
+    src_layout = megatron_gpt(**cfg, zero=src_mesh if zero[0] else None)
+    dst_layout = megatron_gpt(**cfg, zero=dst_mesh if zero[1] else None)
+    _, _, arrays, store = save(full, src_mesh, src_layout)
     for r in range(dst_mesh.size):
-        assert_same(
-            apply_reads(store, plan_load(arrays, dst, dst_mesh, r)), shard_local_state(full, dst, dst_mesh, r)
-        )
+        got = apply_reads(store, plan_load(arrays, dst_layout, dst_mesh, r))
+        assert_same(got, shard_local_state(full, dst_layout, dst_mesh, r), f"rank {r}")
 
 
 def test_load_a_selection_of_tensors():

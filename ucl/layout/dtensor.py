@@ -82,6 +82,12 @@ def _transforms(
                 raise InvalidLayoutError(
                     f"tensor {name!r}: this _StridedShard arrangement on dim {d} is not supported"
                 )
+            if shape[d] % (sf * mesh.axis_size(axis)):
+                # DTensor's strided shards of an uneven split are not contiguous blocks
+                raise InvalidLayoutError(
+                    f"tensor {name!r}: _StridedShard of dim {d} ({shape[d]} over {sf} * "
+                    f"{mesh.axis_size(axis)}) is uneven; only even strided splits are supported"
+                )
             order.extend(later)
             order.append(axis)
             i = len(entries)

@@ -259,14 +259,18 @@ class Resolver:
         best = here or hits
         return (best[0][1], best[0][2]) if best else None
 
-    def flat_member_of(self, logical: str) -> tuple[int, str, str | None, dict[str, int]] | None:
-        """(flat index, member, state, required coords) when ``logical`` is a member of a flat statement."""
+    def flat_member_of(self, logical: str) -> list[tuple[int, str, str | None, dict[str, int]]]:
+        """The flat statements ``logical`` is a member of: (flat index, member, state, required coords),
+        keeping those whose placement allows the coordinates its renumbering requires."""
         local, need = self.to_local(logical)
+        out = []
         for fi, f in enumerate(self.layout.flats):
             m = patterns.template_regex(f.logical).fullmatch(local)
-            if m is not None and m.group("member") in self.members[fi]:
-                return fi, m.group("member"), m.groupdict().get("state"), need
-        return None
+            if m is None or m.group("member") not in self.members[fi]:
+                continue
+            if all(placement_allows(((a, v),), self.mesh, {a: need[a]}) for a, v in f.on if a in need):
+                out.append((fi, m.group("member"), m.groupdict().get("state"), need))
+        return out
 
     def flat_geom(self, fi: int, state: str | None, coords: Mapping[str, int]) -> FlatGeom:
         f = self.layout.flats[fi]
@@ -331,10 +335,20 @@ def expected_local(
     for name in sorted(logical):
         res.rule_for(name)
         member = res.flat_member_of(name)
-        if member is not None:
-            fi, mname, state, need = member
-            f = layout.flats[fi]
-            if all(coords[a] == s for a, s in need.items()) and placement_allows(f.on, mesh, coords):
+        if member:
+            here = [
+                (fi, mname, state)
+                for fi, mname, state, need in member
+                if all(coords[a] == s for a, s in need.items())
+                and placement_allows(layout.flats[fi].on, mesh, coords)
+            ]
+            if len(here) > 1:
+                raise OverlappingRulesError(
+                    f"tensor {name!r} on {where(mesh, coords)} is a member of flat statements "
+                    f"{here[0][0] + 1} and {here[1][0] + 1}",
+                    tensor=name,
+                )
+            for fi, mname, state in here:
                 found.setdefault((fi, state), {})[mname] = name
             continue
         local = res.holds(name, coords)
