@@ -273,3 +273,20 @@ def test_two_process_dtensor_save_loads_with_other_sharding(tmp_path) -> None:
     dcp.load(target, storage_reader=ucl.dcp.Reader(tmp_path))
     assert_same(full["model"], target["model"])
     assert target["step"] == 17 and target["lr"] == 0.5
+
+
+def test_loads_a_delta_step_written_by_the_engine(tmp_path) -> None:
+    import inspect
+
+    from ucl.engine import CheckpointManager
+
+    if "delta" not in inspect.signature(CheckpointManager).parameters:
+        pytest.skip("the engine does not write delta steps yet")
+    s = full_state(2)
+    with CheckpointManager(tmp_path, delta=True) as mgr:
+        mgr.save(0, s).result()
+        s["model"]["w"][3] += 1
+        mgr.save(1, s).result()
+    target = zeros_like_state(s)
+    dcp.load(target, storage_reader=ucl.dcp.Reader(tmp_path, step=1))
+    assert_same(s, target)

@@ -77,6 +77,10 @@ def _files(store: Store, prefix: str) -> Iterator[_File]:
     """Every file under ``prefix`` (recursively), with size and modification time."""
     if isinstance(store, LocalStore):
         root = store.path(prefix)
+        if os.path.isfile(root) or os.path.islink(root):
+            st = os.lstat(root)
+            yield _File(prefix, st.st_size, st.st_mtime)
+            return
         for dirpath, _, filenames in os.walk(root):
             for f in filenames:
                 p = os.path.join(dirpath, f)
@@ -166,46 +170,47 @@ def gc(path: Any, *, dry_run: bool = False, grace: float = DEFAULT_GRACE_S,
                 return False
             return any(f.mtime is None or now - f.mtime < grace for f in files)
 
-        def leftover(files: list[_File], what: str) -> None:
+        def leftover(key: str, what: str) -> None:
+            files = list(_files(store, key))
             if not files:
                 return
             if young(files):
-                report.kept.append({"key": files[0].key.rsplit("/", 1)[0] if len(files) > 1 else files[0].key,
-                                    "reason": f"{what} younger than {grace:g} s (a save may be writing it)"})
+                report.kept.append({"key": key, "reason": f"{what} younger than {grace:g} s (a save may be "
+                                                          "writing it)"})
             else:
                 doomed.extend(files)
 
         for name in store.list_dir("commits"):
             if not _RECORD.match(name):
-                leftover(list(_files(store, f"commits/{name}")), "leftover")
+                leftover(f"commits/{name}", "leftover")
         for name in store.list_dir("steps"):
             prefix = f"steps/{name}"
             if name == "zarr.json":
                 continue
-            files = list(_files(store, prefix))
             m = _STEP.match(name)
             if m is None:
-                leftover(files, "leftover")
+                leftover(prefix, "leftover")
                 continue
             step = int(name)
             if step in journals:
-                report.kept.append({"key": prefix, "reason": f"compaction of step {step} is unfinished: run "
-                                                             f"'ucl compact {repo.url} --step {step}'"})
-                continue
+                continue  # reported with its journal below
             if not store.exists(commit_key(step)):
-                leftover(files, f"uncommitted step {step}")
+                leftover(prefix, f"uncommitted step {step}")
                 continue
             try:
                 record = repo.commit_record(step)
             except UCLError as e:
                 report.kept.append({"key": prefix, "reason": f"commit record unreadable ({e.code}): left alone"})
                 continue
-            doomed.extend(f for f in files if f.key[len(prefix) + 1:] not in record.files)
+            doomed.extend(f for f in _files(store, prefix) if f.key[len(prefix) + 1:] not in record.files)
+        for step in sorted(journals):
+            report.kept.append({"key": _journal(step), "reason": f"compaction of step {step} is unfinished: run "
+                                                                 f"'ucl compact {repo.url} --step {step}'"})
         for name in store.list_dir("compact"):
             m = _STEP.match(name) or _RECORD.match(name)
             if m is not None and int(m.group(1)) in journals:
                 continue
-            leftover(list(_files(store, f"compact/{name}")), "compaction staging")
+            leftover(f"compact/{name}", "compaction staging")
         for f in doomed:
             report.deleted.append(f.key)
             report.bytes += f.size
