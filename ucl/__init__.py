@@ -12,7 +12,8 @@ from ucl.reader import Checkpoint, LazyTensor, load, open
 from ucl.repo import Repository
 from ucl.writer import save
 
-__all__ = ["Checkpoint", "LazyTensor", "Repository", "UCLError", "load", "open", "save", "validate"]
+__all__ = ["Checkpoint", "LazyTensor", "Repository", "UCLError", "load", "open", "save", "validate",
+           "zarr_store"]
 __version__ = "0.1.0"
 
 
@@ -21,6 +22,15 @@ def validate(path, step=None, *, storage_options=None):  # type: ignore[no-untyp
     from ucl.validator import validate_repo
 
     return validate_repo(path, step, storage_options=storage_options)
+
+
+def __getattr__(name: str):  # type: ignore[no-untyped-def]
+    """``ucl.zarr_store``, imported on first use: a callable module, ``ucl.zarr_store(path, step)``."""
+    if name == "zarr_store":
+        import importlib
+
+        return importlib.import_module("ucl.zarr_store")
+    raise AttributeError(f"module 'ucl' has no attribute {name!r}")
 
 
 # zarr-python learns bfloat16/float8 (also declared as entry points, for processes that never import ucl)

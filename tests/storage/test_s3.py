@@ -1,0 +1,332 @@
+"""ucl on S3, against a real S3-compatible server on loopback (moto), started by the tests themselves.
+
+Every operation (engine save, open, lazy slice read, load, validate, the zarr view, retention) on
+s3:// URLs, configured the two standard ways: AWS_* environment variables (AWS_ENDPOINT_URL included,
+which botocore and so s3fs honour) and fsspec storage_options passed through. The commit protocol needs
+no rename: a reader polling while a writer saves never sees a half-written step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import ucl
+import ucl.storage.remote as remote
+from tests.storage import moto_server
+from ucl import _native
+from ucl.engine import CheckpointManager
+from ucl.errors import CheckpointNotFoundError, MissingShardError, WriteError
+from ucl.repo import Repository
+from ucl.storage.remote import FsspecStore
+from ucl.writer import StepWriter, all_shards, array_for, shard_block
+
+pytestmark = pytest.mark.s3
+
+
+def state_at(step: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "model": {"w": torch.randn(256, 64, generator=g), "b": torch.randn(64, generator=g).bfloat16()},
+        "optim": {"m": torch.full((3, 5), float(step)), "count": step},
+    }
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+# -- the round trip, configured by environment ---------------------------------------------------------
+def test_round_trip_engine_lazy_read_validate_zarr_view(bucket, monkeypatch) -> None:
+    import ucl.shard
+
+    monkeypatch.setattr(ucl.shard, "INNER_TARGET_BYTES", 8 << 10)  # model/w: 8 inner chunks of 32 rows
+    url = f"s3://{bucket}/run"
+    with CheckpointManager(url, keep_last=2) as mgr:
+        for step in (10, 20, 30):
+            mgr.save(step, state_at(step))
+    assert Repository.open(url).steps() == [20, 30]  # retention deleted step 10, on S3
+    expected = state_at(30)
+    with ucl.open(url) as ckpt:
+        assert ckpt.step == 30
+        w = ckpt["model/w"]
+        part = w[100:120, 8:16]
+        assert bits(part) == bits(expected["model"]["w"][100:120, 8:16])
+        assert ckpt.bytes_read <= (8 << 10) + 4 + 16 * 8 + 4  # rows 100..119: one inner chunk, and the index
+        loaded = ckpt.load()
+    assert loaded["optim"]["count"] == 30
+    assert bits(loaded["model"]["b"]) == bits(expected["model"]["b"])
+    report = ucl.validate(url)
+    assert report.ok, report.problems
+    assert report.steps == [20, 30]
+    g = zarr.open_group(store=ucl.zarr_store(url), mode="r")
+    assert g.attrs["step"] == 30
+    assert np.array_equal(g["model/w"][5:9], expected["model"]["w"][5:9].numpy())
+    assert bits(torch.from_numpy(g["model/b"][...].view(np.uint16)).view(torch.bfloat16)) == bits(
+        expected["model"]["b"]
+    )
+    assert ucl.load(url, 20)["optim"]["count"] == 20
+
+
+def test_aws_endpoint_url_is_honoured_without_options(bucket, s3_env) -> None:
+    """botocore reads AWS_ENDPOINT_URL, so ucl needs no mapping of its own: nothing but the environment
+    tells the client where the server is."""
+    store = FsspecStore(f"s3://{bucket}/p")
+    assert not store.fs.endpoint_url and not store.fs.client_kwargs.get("endpoint_url")
+    store.write("x", [b"abc"])
+    assert moto_server.boto_client().get_object(Bucket=bucket, Key="p/x")["Body"].read() == b"abc"
+
+
+# -- configured by storage_options only -------------------------------------------------------------------
+def test_storage_options_pass_through_everywhere(bucket, monkeypatch) -> None:
+    for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(k)
+    so = moto_server.storage_options()
+    url = f"s3://{bucket}/opts"
+    ucl.save(state_at(1), url, step=1, storage_options=so)
+    with CheckpointManager(url, storage_options=so) as mgr:
+        mgr.save(2, state_at(2))
+    with ucl.open(url, storage_options=so) as ckpt:
+        assert ckpt.step == 2
+        assert bits(ckpt["model/w"][3]) == bits(state_at(2)["model"]["w"][3])
+    assert ucl.load(url, 1, storage_options=so)["optim"]["count"] == 1
+    assert Repository.open(url, so).steps() == [1, 2]
+    report = ucl.validate(url, storage_options=so)
+    assert report.ok and report.steps == [1, 2], report.problems
+    store = ucl.zarr_store(url, 1, storage_options=so)
+    assert np.array_equal(
+        zarr.open_group(store=store, mode="r")["optim/m"][...], np.full((3, 5), 1.0, np.float32)
+    )
+
+
+# -- the commit protocol without rename -------------------------------------------------------------------
+def test_reader_never_sees_a_half_written_step(bucket, monkeypatch) -> None:
+    url = f"s3://{bucket}/live"
+    steps = list(range(6))
+    names = [f"layer{i}/w" for i in range(6)]
+
+    def full(step: int) -> dict[str, torch.Tensor]:
+        return {n: torch.full((16, 256), float(step)) for n in names}  # 16 KiB each
+
+    done = threading.Event()
+    errors: list[BaseException] = []
+    seen: list[int] = []
+    started, completed = [0], [0]  # the reader's polls
+    window: list[int | None] = [None]  # a step whose shard is on S3 and whose commit record is not
+    looked_inside: list[int] = []  # steps the reader listed while they were half-written
+
+    # Handshake: once a step's first shard is uploaded, its commit record cannot be written until
+    # the reader has started and finished a poll (so the reader looks inside every half-written step)
+    write = FsspecStore.write
+
+    def write_then_let_the_reader_look(self, key, buffers):  # noqa: ANN001, ANN202
+        out = write(self, key, buffers)
+        if "/layer/0/w/c/" in key:
+            window[0] = int(key.split("/")[1])
+            target = started[0] + 1
+            deadline = time.monotonic() + 30
+            while completed[0] < target and time.monotonic() < deadline and not errors:
+                time.sleep(0.002)
+            window[0] = None
+        return out
+
+    monkeypatch.setattr(FsspecStore, "write", write_then_let_the_reader_look)
+
+    def writer() -> None:
+        try:
+            with CheckpointManager(url) as mgr:
+                for s in steps:
+                    mgr.save(s, {"layer": [{"w": t} for t in full(s).values()]})
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+        finally:
+            done.set()
+
+    def reader() -> None:
+        # a client of its own, as another process would have
+        other = FsspecStore(url, {"skip_instance_cache": True})
+        try:
+            while True:
+                finished = done.is_set()
+                started[0] += 1
+                before = window[0]
+                try:
+                    latest = Repository.open(other).latest()
+                except ucl.UCLError:  # the repository itself is not created yet
+                    latest = None
+                if before is not None and window[0] == before:  # listed while step `before` was half-written
+                    assert latest is None or latest < before, (latest, before)
+                    looked_inside.append(before)
+                if latest is not None and latest not in seen:
+                    with ucl.open(other, latest) as ckpt:
+                        flat = ckpt.load(flat=True)
+                    assert sorted(flat) == [f"layer/{i}/w" for i in range(6)]
+                    for t in flat.values():
+                        assert torch.equal(t, torch.full((16, 256), float(latest))), latest
+                    report = ucl.validate(other, latest)
+                    assert report.ok, report.problems
+                    seen.append(latest)
+                completed[0] += 1
+                if finished:
+                    return
+                time.sleep(0.002)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert seen[-1] == steps[-1]
+    assert len(seen) >= 2 and seen == sorted(seen), seen
+    assert set(looked_inside) == set(steps), looked_inside  # it looked inside every half-written step
+
+
+def test_files_without_a_commit_record_are_no_step(bucket) -> None:
+    url = f"s3://{bucket}/partial"
+    ucl.save(state_at(1), url, step=1)
+    repo = Repository.open(url)
+    w = StepWriter(repo, 2)
+    w.begin()
+    t = torch.ones(8, 8)
+    meta = array_for("t", t)
+    for coords in all_shards(meta):
+        w.write_shard(meta, coords, shard_block(meta, coords, t))
+    # a crash here: the shard is on S3, the commit record is not
+    assert repo.latest() == 1 and repo.steps() == [1]
+    assert ucl.open(url).step == 1
+    with pytest.raises(CheckpointNotFoundError):  # StepNotCommittedError once the step's zarr.json is there
+        ucl.open(url, 2)
+    ucl.save(state_at(2), url, step=2)  # the step is written again from scratch
+    assert ucl.open(url).step == 2 and ucl.validate(url).ok
+
+
+def test_listings_are_never_served_from_a_stale_cache(bucket) -> None:
+    url = f"s3://{bucket}/cache"
+    mine = FsspecStore(url)
+    assert mine.list_dir("commits") == [] and mine.size("commits/1.json") is None
+    theirs = FsspecStore(url, {"skip_instance_cache": True})
+    theirs.write_atomic("commits/1.json", b"{}")
+    assert mine.list_dir("commits") == ["1.json"] and mine.size("commits/1.json") == 2
+    theirs.delete("commits/1.json")
+    assert mine.list_dir("commits") == [] and mine.size("commits/1.json") is None
+
+
+# -- multipart uploads ------------------------------------------------------------------------------------
+def _count_parts(monkeypatch, fs, fail_part: int | None = None) -> dict[str, int]:  # noqa: ANN001
+    stats = {"parts": 0, "in_flight": 0, "max_in_flight": 0}
+    call = fs._call_s3
+
+    async def counting(method, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if method != "upload_part":
+            return await call(method, *args, **kwargs)
+        stats["parts"] += 1
+        stats["in_flight"] += 1
+        stats["max_in_flight"] = max(stats["max_in_flight"], stats["in_flight"])
+        try:
+            if kwargs["PartNumber"] == fail_part:
+                raise PermissionError("injected failure of one part")
+            return await call(method, *args, **kwargs)
+        finally:
+            stats["in_flight"] -= 1
+
+    monkeypatch.setattr(fs, "_call_s3", counting)
+    return stats
+
+
+def test_large_objects_upload_parts_concurrently(bucket, monkeypatch) -> None:
+    store = FsspecStore(f"s3://{bucket}/mp", multipart_min_bytes=8 << 20, part_bytes=5 << 20, concurrency=4)
+    rng = np.random.default_rng(0)
+    buffers = [rng.integers(0, 256, n, dtype=np.uint8) for n in (7 << 20, 3, 9 << 20, 1 << 20, 4 << 20, 17)]
+    data = b"".join(b.tobytes() for b in buffers)
+    stats = _count_parts(monkeypatch, store.fs)
+    size, crc = store.write("big", buffers)
+    assert (size, crc) == (len(data), _native.crc32c(data))
+    assert stats["parts"] == 5 and stats["max_in_flight"] >= 2, stats
+    assert store.read("big") == data
+    assert store.read_range("big", (5 << 20) - 2, 4) == data[(5 << 20) - 2 : (5 << 20) + 2]
+    etag = moto_server.boto_client().head_object(Bucket=bucket, Key="mp/big")["ETag"]
+    assert etag.strip('"').endswith("-5")  # S3's mark of a multipart object
+    # below the threshold: one PUT
+    store.write("small", [b"x" * (1 << 20)])
+    assert stats["parts"] == 5
+
+
+def test_a_failed_part_aborts_the_upload_and_names_the_key(bucket, monkeypatch) -> None:
+    store = FsspecStore(f"s3://{bucket}/mp", multipart_min_bytes=8 << 20, part_bytes=5 << 20, concurrency=2)
+    _count_parts(monkeypatch, store.fs, fail_part=2)
+    with pytest.raises(WriteError, match=r"writing steps/0/w/c/0 to s3://.*/mp failed: PermissionError") as e:
+        store.write("steps/0/w/c/0", [bytes(12 << 20)])
+    assert e.value.file == "steps/0/w/c/0"
+    s3 = moto_server.boto_client()
+    assert s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    assert store.size("steps/0/w/c/0") is None
+
+
+def test_engine_saves_large_shards_in_parts(bucket, monkeypatch) -> None:
+    monkeypatch.setattr(remote, "MULTIPART_MIN_BYTES", 8 << 20)
+    monkeypatch.setattr(remote, "PART_BYTES", 5 << 20)
+    url = f"s3://{bucket}/engine-mp"
+    t = torch.randn(3 << 20)  # 12 MiB, one shard
+    with CheckpointManager(url) as mgr:
+        mgr.save(0, {"t": t})
+    etag = moto_server.boto_client().head_object(Bucket=bucket, Key="engine-mp/steps/0/t/c/0")["ETag"]
+    assert etag.strip('"').endswith("-3")
+    assert ucl.validate(url).ok
+    assert torch.equal(ucl.open(url)["t"][(1 << 20) : (1 << 20) + 5], t[(1 << 20) : (1 << 20) + 5])
+
+
+# -- errors and short reads -------------------------------------------------------------------------------
+def test_write_failures_raise_write_error_naming_the_key(s3_env) -> None:
+    store = FsspecStore("s3://ucl-no-such-bucket/p")
+    with pytest.raises(WriteError, match="writing steps/1/a/c/0 to s3://ucl-no-such-bucket/p failed") as e:
+        store.write("steps/1/a/c/0", [b"data"])
+    assert e.value.file == "steps/1/a/c/0" and e.value.code == "write_failed"
+    with pytest.raises(WriteError, match="commits/1.json"):
+        store.write_atomic("commits/1.json", b"{}")
+    with pytest.raises(WriteError):
+        ucl.save(state_at(1), "s3://ucl-no-such-bucket/p", step=1)
+
+
+def test_missing_objects_are_missing_shards(bucket) -> None:
+    url = f"s3://{bucket}/gone"
+    ucl.save({"a": torch.ones(16), "b": torch.zeros(16)}, url, step=0)
+    moto_server.boto_client().delete_object(Bucket=bucket, Key="gone/steps/0/a/c/0")
+    with ucl.open(url) as ckpt:
+        with pytest.raises(MissingShardError, match="steps/0/a/c/0"):
+            ckpt["a"][2:4]
+        assert torch.equal(ckpt["b"].read(), torch.zeros(16))
+    report = ucl.validate(url)
+    assert not report.ok and {p.code for p in report.problems} == {"missing_shard"}
+    with pytest.raises(MissingShardError):
+        zarr.open_group(store=ucl.zarr_store(url), mode="r")["a"][...]
+    with pytest.raises(FileNotFoundError):
+        FsspecStore(url).read("steps/0/a/c/0")
+
+
+def test_readinto_and_short_reads(bucket) -> None:
+    store = FsspecStore(f"s3://{bucket}/r")
+    data = bytes(range(100))
+    store.write("obj", [data[:30], memoryview(data)[30:]])
+    bufs = [memoryview(bytearray(n)) for n in (10, 20, 5)]
+    assert store.readinto("obj", 40, bufs) == 35
+    assert b"".join(bytes(b) for b in bufs) == data[40:75]
+    bufs = [memoryview(bytearray(n)) for n in (8, 8)]
+    assert store.readinto("obj", 95, bufs) == 5  # a short read at the end of the object
+    assert bytes(bufs[0][:5]) == data[95:]
+    assert store.read_range("obj", 100, 10) == b"" and store.read_range("obj", 500, 10) == b""
+    assert store.read_range("obj", 98, 10) == data[98:]
+    assert store.read_range("obj", 0, 0) == b""
+    with pytest.raises(FileNotFoundError):
+        store.readinto("nope", 0, [memoryview(bytearray(4))])
+    with pytest.raises(FileNotFoundError):
+        store.read_range("nope", 0, 4)
+    assert store.size("obj") == 100 and store.size("nope") is None
+    assert store.list_dir("") == ["obj"]
