@@ -32,7 +32,8 @@ import torch
 
 from ucl import names, saveplan
 from ucl.errors import InvalidArgumentError, StepExistsError, UCLError, WriteError, WriterLockedError
-from ucl.metadata import CommitRecord, StepMeta
+from ucl.metadata import ArrayMeta, CommitRecord, StepMeta
+from ucl.policy import DeltaPolicy
 from ucl.repo import Repository, check_step, commit_key, step_prefix
 from ucl.shard import encode_shard
 from ucl.writer import StepWriter
@@ -99,6 +100,17 @@ class _Job:
     handle: SaveHandle
     last_piece: bool = True
     error: BaseException | None = None  # staging failed after earlier pieces were queued
+    plan_key: int = 0
+    kind: str = "full"  # decided by the persister: "full" or "delta"
+    changed: set[str] | None = None  # delta steps: arrays this rank wrote data for
+
+
+@dataclass
+class _Base:
+    step: int
+    slot: _Slot
+    staged: dict[str, torch.Tensor]
+    plan_key: int
 
 
 # -- the manager -----------------------------------------------------------------------------------
@@ -126,6 +138,10 @@ class CheckpointManager:
         A ``torch.distributed`` group for a distributed save (default: the world when initialised);
         the manager makes its own gloo group for coordination so it never interleaves with training's
         collectives.
+    delta
+        None (every step full), True (default :class:`ucl.policy.DeltaPolicy`) or a DeltaPolicy: steps
+        are then stored as bit-exact deltas against the previous step's staged copy (spec/delta.md),
+        unchanged tensors and inner chunks costing nothing. Uses a third staging slot (the base).
     storage_options
         fsspec options for URLs.
 
@@ -141,7 +157,7 @@ class CheckpointManager:
     def __init__(self, path: Any, *, keep_last: int | None = None, keep_every: int | None = None,
                  when_busy: str = "wait", staging_bytes: int | None = None, writer_threads: int = 4,
                  direct: bool | None = None, process_group: Any = None, compression: str | None = None,
-                 storage_options: dict[str, Any] | None = None, timeout: float = 600.0) -> None:
+                 delta: Any = None, storage_options: dict[str, Any] | None = None, timeout: float = 600.0) -> None:
         if when_busy not in ("wait", "skip"):
             raise InvalidArgumentError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
         for n, v in (("keep_last", keep_last), ("keep_every", keep_every)):
@@ -149,6 +165,16 @@ class CheckpointManager:
                 raise InvalidArgumentError(f"{n} must be a positive int or None, got {v!r}")
         if compression not in (None, "zstd"):
             raise InvalidArgumentError(f"compression must be None or 'zstd', got {compression!r}")
+        if delta is True:
+            delta = DeltaPolicy()
+        if delta is not None and not isinstance(delta, DeltaPolicy):
+            raise InvalidArgumentError(f"delta must be None, True or a ucl.policy.DeltaPolicy, got {delta!r}")
+        if delta is not None and staging_bytes is not None:
+            raise InvalidArgumentError("delta steps need the previous step staged whole: staging_bytes cannot be "
+                                       "combined with delta")
+        self.delta = delta
+        self._base: _Base | None = None  # the staged copy of the step the next delta refers to
+        self._since_full: int | None = None  # saves since the last full step (None: no usable base)
         self.keep_last, self.keep_every, self.when_busy = keep_last, keep_every, when_busy
         self.staging_bytes = staging_bytes
         self.timeout = timeout
@@ -216,7 +242,8 @@ class CheckpointManager:
                                      error=e))
                 raise
             sub = saveplan.SavePlan(plan.arrays, [w for w in plan.writes if w.source in piece], plan.layout, plan.mesh)
-            self._queue.put(_Job(step, sub, tree, staged, slot, handle, last_piece=i == len(pieces) - 1))
+            self._queue.put(_Job(step, sub, tree, staged, slot, handle, last_piece=i == len(pieces) - 1,
+                                 plan_key=id(plan)))
         handle.staged_s = time.perf_counter() - t0
         return handle
 
@@ -262,7 +289,8 @@ class CheckpointManager:
 
     def _free_slot_now(self, pieces: int) -> bool:
         with self._slot_free:
-            return pieces == 1 and (len(self._slots) < 2 or any(not s.busy for s in self._slots))
+            return pieces == 1 and (len(self._slots) < (3 if self.delta is not None else 2)
+                                    or any(not s.busy for s in self._slots))
 
     def _acquire_slot(self, need: int) -> _Slot:
         # pieces are sized in aligned bytes; with a budget every slot is exactly half of it
@@ -274,7 +302,7 @@ class CheckpointManager:
                 if fit:
                     slot = fit[0]
                     break
-                if len(self._slots) < 2:
+                if len(self._slots) < (3 if self.delta is not None else 2):
                     slot = _Slot(need, pin=self._pin())
                     self._slots.append(slot)
                     break
@@ -329,16 +357,18 @@ class CheckpointManager:
             job = self._queue.get()
             if job is None:
                 return
+            keep = False  # in delta mode a committed step's slot becomes the next base
             try:
                 if job.error is not None:
                     failed.setdefault(job.step, job.error)
                 elif job.step not in failed:
+                    self._decide_kind(job)
                     files = self._write_shards(job)
                     collected.setdefault(job.step, {}).update(files)
             except BaseException as e:  # noqa: BLE001 - any failure fails this save's handle
                 failed[job.step] = e
             finally:
-                if job.slot is not None:
+                if job.slot is not None and self.delta is None:
                     self._release(job.slot)
             if not job.last_piece:
                 continue
@@ -346,9 +376,45 @@ class CheckpointManager:
             files = collected.pop(job.step, {})
             try:
                 record = self._commit(job, files, err)
+                keep = self._advance_base(job)
                 job.handle._future.set_result(record)
             except BaseException as e:  # noqa: BLE001
                 job.handle._future.set_exception(e)
+            finally:
+                if job.slot is not None and self.delta is not None and not keep:
+                    self._release(job.slot)
+
+    def _decide_kind(self, job: _Job) -> None:
+        """Full or delta (the same decision on every rank: it depends only on committed history)."""
+        job.kind = "full"
+        if self.delta is None or self._base is None or self._base.plan_key != job.plan_key:
+            return
+        if self.delta.decide(self._since_full) == "delta":
+            job.kind = "delta"
+            job.changed = set()
+
+    def _advance_base(self, job: _Job) -> bool:
+        """After a committed step: make it the base of the next delta if the policy says so."""
+        if self.delta is None or job.slot is None:
+            return False
+        self._since_full = 0 if job.kind == "full" else (self._since_full or 0) + 1
+        if self.delta.base == "full" and job.kind == "delta":
+            return False  # deltas keep referring to the last full step
+        old = self._base
+        self._base = _Base(job.step, job.slot, job.staged, job.plan_key)
+        if old is not None and old.slot is not job.slot:
+            self._release(old.slot)
+        return True
+
+    def _delta_array(self, meta: ArrayMeta, changed: bool, parent: int) -> ArrayMeta:
+        from dataclasses import replace
+
+        from ucl.delta.codec import choose_encoding
+
+        rec: dict[str, Any] = {"mode": "chunked" if changed else "unchanged", "base_step": parent}
+        if changed:
+            rec["encoding"] = choose_encoding(meta.name, meta.dtype)
+        return replace(meta, delta=rec, compression=None)
 
     def _write_shards(self, job: _Job) -> dict[str, tuple[int, int]]:
         store = self.repo.store
@@ -360,7 +426,19 @@ class CheckpointManager:
             for w in job.plan.writes:
                 block = _block(w, job.staged[w.source])
                 rel = w.array.shard_key(w.coords)
-                buffers = encode_shard(w.array, w.coords, block)
+                if job.kind == "delta":
+                    from ucl.delta.codec import choose_encoding
+                    from ucl.delta.shards import encode_delta_shard
+
+                    base = _block(w, self._base.staged[w.source])  # type: ignore[union-attr]
+                    maybe = encode_delta_shard(w.array, w.coords, block, base,
+                                               choose_encoding(w.array.name, w.array.dtype))
+                    if maybe is None:
+                        continue  # every inner chunk unchanged: no file
+                    job.changed.add(w.array.name)  # type: ignore[union-attr]
+                    buffers = maybe
+                else:
+                    buffers = encode_shard(w.array, w.coords, block)
                 if fw is not None:
                     path = os.path.join(store.root, *f"{prefix}/{rel}".split("/"))  # type: ignore[attr-defined]
                     jobs.append((rel, fw.submit(path, buffers), buffers))
@@ -385,7 +463,8 @@ class CheckpointManager:
         return self._uploads
 
     def _commit(self, job: _Job, files: dict[str, tuple[int, int]], err: BaseException | None) -> CommitRecord | None:
-        report = {"rank": self.rank, "files": files, "error": None if err is None else _describe(err)}
+        report = {"rank": self.rank, "files": files, "error": None if err is None else _describe(err),
+                  "changed": sorted(job.changed or ())}
         reports = self._dist.gather(report)
         verdict: dict[str, Any] = {"ok": True}
         record = None
@@ -398,7 +477,12 @@ class CheckpointManager:
                     merged: dict[str, tuple[int, int]] = {}
                     for r in reports:
                         merged.update({k: tuple(v) for k, v in r["files"].items()})  # type: ignore[misc]
-                    meta = StepMeta(step=job.step, kind="full", tree=job.tree, arrays=job.plan.arrays,
+                    arrays, parent = job.plan.arrays, None
+                    if job.kind == "delta":
+                        parent = self._base.step  # type: ignore[union-attr]
+                        changed = {n for r in reports for n in r["changed"]}
+                        arrays = {n: self._delta_array(a, n in changed, parent) for n, a in arrays.items()}
+                    meta = StepMeta(step=job.step, kind=job.kind, parent=parent, tree=job.tree, arrays=arrays,
                                     layout=job.plan.layout, mesh=job.plan.mesh)
                     record = StepWriter(self.repo, job.step).commit(meta, merged)
                     self._retain(job.step)

@@ -177,7 +177,13 @@ class ArrayMeta:
 
     def inner_codecs(self) -> list[dict[str, Any]]:
         if self.delta is not None:
-            return [{"name": "ucl.delta", "configuration": dict(self.delta)}, _CRC]
+            # the codec repeats the record's encoding and base step (spec/delta.md §3.3); an unchanged
+            # array stores no data, its codec names the encoding a chunked one would have used
+            from ucl.delta.codec import choose_encoding
+
+            enc = self.delta.get("encoding") or choose_encoding(self.name, self.dtype)
+            return [{"name": "ucl.delta", "configuration": {"encoding": enc, "base_step": self.delta["base_step"]}},
+                    _CRC]
         first = _BYTES_LE if self.itemsize > 1 else {"name": "bytes"}
         return [first, *([self.compression] if self.compression else []), _CRC]
 
@@ -243,8 +249,13 @@ class ArrayMeta:
         compression = None
         expected_first = _BYTES_LE if dtypes.itemsize(dtype) > 1 else {"name": "bytes"}
         if delta is not None:
+            from ucl.delta.records import DeltaRecord, parse_codec
+
             if [c["name"] for c in codecs] != ["ucl.delta", "crc32c"]:
                 raise InconsistentMetadataError(f"{what}: a delta array's inner codecs must be [ucl.delta, crc32c]", tensor=name, file=what)
+            record = DeltaRecord.from_dict(delta, f"{what}: attributes.ucl.delta")
+            if record.mode == "chunked":
+                parse_codec(codecs[0], record, f"{what}: ucl.delta codec")
         else:
             names_ = [c["name"] for c in codecs]
             unknown = [c for c in codecs if c["name"] not in ("bytes", "zstd", "crc32c")]

@@ -150,6 +150,8 @@ class Checkpoint:
         self.meta = meta
         self._files = StepFiles(repo.store, step, record)
         self._pool: ThreadPoolExecutor | None = None
+        self._chain_steps: dict[int, tuple[StepMeta, StepFiles]] = {step: (meta, self._files)}
+        self._chain: Any = None
 
     # -- mapping-like ------------------------------------------------------------------------------
     def keys(self) -> list[str]:
@@ -177,8 +179,8 @@ class Checkpoint:
 
     @property
     def bytes_read(self) -> int:
-        """Bytes read from storage so far (indexes and chunks), for measuring partial reads."""
-        return self._files.bytes_read
+        """Bytes read from storage so far (indexes and chunks, in every step of a delta chain)."""
+        return sum(f.bytes_read for _, f in self._chain_steps.values())
 
     def __repr__(self) -> str:
         return f"Checkpoint({self.repo.url!r}, step={self.step}, tensors={len(self)})"
@@ -197,9 +199,27 @@ class Checkpoint:
             self._files.shard(meta, coords)
 
     def _read(self, requests: list[Request]) -> None:
-        if self._pool is None and sum(r.meta.nbytes for r in requests) > 8 << 20:
+        plain = [r for r in requests if r.meta.delta is None]
+        chained = [r for r in requests if r.meta.delta is not None]
+        if self._pool is None and sum(r.meta.nbytes for r in plain) > 8 << 20:
             self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ucl-read")
-        read(self._files, requests, self._pool)
+        if plain:
+            read(self._files, plain, self._pool)
+        for r in chained:  # delta-encoded tensors: through the step's chain (spec/delta.md §6.3)
+            self._chain_reader().read(r)
+
+    def _chain_reader(self) -> Any:
+        if self._chain is None:
+            from ucl.delta.read import ChainReader
+
+            self._chain = ChainReader(self.step, self._step_source)
+        return self._chain
+
+    def _step_source(self, step: int) -> tuple[StepMeta, StepFiles]:
+        if step not in self._chain_steps:
+            record = self.repo.commit_record(step)
+            self._chain_steps[step] = (self.repo.step_meta(step, record), StepFiles(self.repo.store, step, record))
+        return self._chain_steps[step]
 
     def load(self, *, flat: bool = False) -> Any:
         """Every tensor of the step, read concurrently.
