@@ -33,7 +33,7 @@ import torch
 from ucl import names, saveplan
 from ucl.errors import InvalidArgumentError, StepExistsError, UCLError, WriteError, WriterLockedError
 from ucl.metadata import ArrayMeta, CommitRecord, StepMeta
-from ucl.policy import DeltaPolicy
+from ucl.policy import AdaptiveInterval, DeltaPolicy
 from ucl.repo import Repository, check_step, commit_key, step_prefix
 from ucl.shard import encode_shard
 from ucl.writer import StepWriter
@@ -142,6 +142,9 @@ class CheckpointManager:
         None (every step full), True (default :class:`ucl.policy.DeltaPolicy`) or a DeltaPolicy: steps
         are then stored as bit-exact deltas against the previous step's staged copy (spec/delta.md),
         unchanged tensors and inner chunks costing nothing. Uses a third staging slot (the base).
+    interval
+        A :class:`ucl.policy.AdaptiveInterval` for :meth:`save_if_due`: checkpoint every Young/Daly
+        interval, re-estimated from what saves measurably cost training (their blocking time).
     storage_options
         fsspec options for URLs.
 
@@ -157,7 +160,8 @@ class CheckpointManager:
     def __init__(self, path: Any, *, keep_last: int | None = None, keep_every: int | None = None,
                  when_busy: str = "wait", staging_bytes: int | None = None, writer_threads: int = 4,
                  direct: bool | None = None, process_group: Any = None, compression: str | None = None,
-                 delta: Any = None, storage_options: dict[str, Any] | None = None, timeout: float = 600.0) -> None:
+                 delta: Any = None, interval: AdaptiveInterval | None = None,
+                 storage_options: dict[str, Any] | None = None, timeout: float = 600.0) -> None:
         if when_busy not in ("wait", "skip"):
             raise InvalidArgumentError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
         for n, v in (("keep_last", keep_last), ("keep_every", keep_every)):
@@ -173,6 +177,9 @@ class CheckpointManager:
             raise InvalidArgumentError("delta steps need the previous step staged whole: staging_bytes cannot be "
                                        "combined with delta")
         self.delta = delta
+        if interval is not None and not isinstance(interval, AdaptiveInterval):
+            raise InvalidArgumentError(f"interval must be a ucl.policy.AdaptiveInterval, got {interval!r}")
+        self.interval = interval
         self._base: _Base | None = None  # the staged copy of the step the next delta refers to
         self._since_full: int | None = None  # saves since the last full step (None: no usable base)
         self.keep_last, self.keep_every, self.when_busy = keep_last, keep_every, when_busy
@@ -245,6 +252,24 @@ class CheckpointManager:
             self._queue.put(_Job(step, sub, tree, staged, slot, handle, last_piece=i == len(pieces) - 1,
                                  plan_key=id(plan)))
         handle.staged_s = time.perf_counter() - t0
+        return handle
+
+    def save_if_due(self, step: int, state: Mapping[str, Any], now: float | None = None) -> SaveHandle | None:
+        """Save when the adaptive interval says so (every rank gets the coordinator's decision).
+
+        Returns the handle, or None when no save is due. The blocking time of each save is fed back
+        to the interval as the checkpoint's cost.
+        """
+        if self.interval is None:
+            raise InvalidArgumentError("save_if_due needs CheckpointManager(interval=AdaptiveInterval(...))")
+        due = self.interval.should_save(step, time.monotonic() if now is None else now) if self.rank == 0 else False
+        if self._dist.group is not None:
+            due = bool(self._dist.broadcast(due))
+        if not due:
+            return None
+        handle = self.save(step, state)
+        if not handle.skipped:
+            self.interval.record_save(handle.staged_s)
         return handle
 
     def _committed_or_pending(self, step: int) -> set[int]:

@@ -184,3 +184,22 @@ def test_many_small_tensors_fit_their_slot(tmp_path) -> None:
     with CheckpointManager(tmp_path) as mgr:
         mgr.save(1, sd).result()
     assert_same(ucl.load(tmp_path), sd)
+
+
+def test_save_if_due_follows_the_adaptive_interval(tmp_path) -> None:
+    from ucl.policy import AdaptiveInterval
+
+    interval = AdaptiveInterval(mtbf=3600.0, min_interval=10.0)
+    saved = []
+    with CheckpointManager(tmp_path, interval=interval) as mgr:
+        for step in range(100):  # one step per simulated second
+            h = mgr.save_if_due(step, {"s": torch.tensor(step)}, now=float(step))
+            if h is not None:
+                saved.append(step)
+        mgr.wait()
+    assert saved[0] == 0 and interval.saves == len(saved) and interval.cost is not None
+    gaps = {b - a for a, b in zip(saved, saved[1:], strict=False)}
+    assert min(gaps) >= 10  # never more often than min_interval
+    assert ucl.Repository.open(tmp_path).steps() == saved
+    with pytest.raises(InvalidArgumentError, match="save_if_due needs"), CheckpointManager(tmp_path / "x") as m:
+        m.save_if_due(0, {"s": torch.tensor(0)})
