@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -11,6 +12,12 @@ import torch
 from ucl.layout import Layout, Mesh, infer_shapes, merge_plans, plan_save, shard_local_state
 from ucl.layout.reference import apply_writes, empty_store
 from ucl.testing.layout_strategies import LogicalSpec
+
+
+def examples(n: int) -> int:
+    """Hypothesis example counts: ``n`` in CI (2 cores, < 60 s for the layout tests), times
+    UCL_LAYOUT_EXAMPLES_SCALE for a long fuzzing run."""
+    return n * int(os.environ.get("UCL_LAYOUT_EXAMPLES_SCALE", "1"))
 
 
 def make_full(spec: LogicalSpec | dict[str, tuple[tuple[int, ...], str]]) -> dict[str, torch.Tensor]:

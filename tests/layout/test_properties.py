@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import torch
@@ -25,11 +24,9 @@ from ucl.layout.boxes import full as full_box
 from ucl.layout.reference import apply_reads, read_logical
 from ucl.testing.layout_strategies import configs, logical_specs, meshes
 
-from .helpers import assert_same, make_full, save, sl
+from .helpers import assert_same, examples, make_full, save, sl
 
-# UCL_LAYOUT_EXAMPLES=2000 for a long fuzzing run; CI keeps the default small (2 cores, < 60 s in all)
-EXAMPLES = int(os.environ.get("UCL_LAYOUT_EXAMPLES", "40"))
-SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @SETTINGS
@@ -86,7 +83,7 @@ def test_save_then_load_under_another_configuration_is_the_identity(spec, data):
         assert torch.equal(back[n], t), n
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     src=meshes(max_axes=2),
     tgt=meshes(max_axes=2),
@@ -112,7 +109,7 @@ def test_bytes_read_equal_local_bytes_for_row_and_column_resharding(src, tgt, ro
         assert_same(apply_reads(store, plan), shard_local_state(full, tgt_layout, tgt, rank))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(mesh=meshes(max_axes=2, max_ranks=8), sizes=st.lists(st.integers(1, 50), min_size=1, max_size=20))
 def test_replicated_chunks_are_written_once_and_balanced(mesh, sizes):
     full = {f"r{i}": torch.ones(n) for i, n in enumerate(sizes)}

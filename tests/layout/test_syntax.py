@@ -16,7 +16,7 @@ from ucl.layout.builtins import megatron_gpt, zero_flat
 from ucl.layout.patterns import escape, match
 from ucl.testing.layout_strategies import layouts
 
-from .helpers import make_full, save
+from .helpers import examples, make_full, save
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMAS = ROOT / "spec" / "schemas"
@@ -35,7 +35,7 @@ LAYOUT = _validator()
 RECORD = _validator("/$defs/logical_record")
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(layout=layouts())
 def test_text_and_json_round_trip(layout):
     text = layout.to_text()

@@ -26,7 +26,7 @@ from ucl.layout.model import Rule, Shard
 from ucl.layout.reference import apply_reads, read_logical
 from ucl.layout.transforms import make_tile
 
-from .helpers import assert_same, local_shapes, make_full, save
+from .helpers import assert_same, examples, local_shapes, make_full, save
 
 
 def L(text: str) -> Layout:
@@ -87,7 +87,7 @@ def test_nested_uneven_is_stored_as_blocks_of_what_ranks_hold():
 placements = st.sampled_from(["R", "S0", "S1"])
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     shape=st.lists(st.integers(0, 11), min_size=2, max_size=2),
     m0=st.integers(1, 4),
@@ -352,3 +352,55 @@ def test_load_a_selection_of_tensors():
 
     with pytest.raises(TensorNotFoundError, match="no tensor 'model/nope' in the step"):
         plan_load(arrays, layout, mesh, 0, tensors=["model/nope"])
+
+
+@st.composite
+def gpt_configs(draw):
+    while True:
+        pp, dp, tp = (
+            draw(st.sampled_from([1, 2, 4])),
+            draw(st.sampled_from([1, 2])),
+            draw(st.sampled_from([1, 2, 4])),
+        )
+        if pp * dp * tp <= 8:
+            break
+    mesh = Mesh.of(pp=pp, dp=dp, tp=tp)
+    return mesh, dict(
+        zero=mesh if draw(st.booleans()) else None, qkv=draw(st.sampled_from(["concat", "interleaved"]))
+    )
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(
+    layers=st.integers(1, 5),
+    kv=st.sampled_from([1, 2, 4]),
+    tied=st.booleans(),
+    bias=st.booleans(),
+    swiglu=st.booleans(),
+    src=gpt_configs(),
+    dst=gpt_configs(),
+)
+def test_megatron_gpt_any_to_any(layers, kv, tied, bias, swiglu, src, dst):
+    cfg = dict(
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=kv,
+        hidden=4,
+        ffn_hidden=6,
+        vocab_size=11,
+        tied=tied,
+        bias=bias,
+        swiglu=swiglu,
+        vocab_multiple=2,
+    )
+    full = {}
+    params = megatron_gpt_params(**{k: v for k, v in cfg.items() if k != "vocab_multiple"})
+    for i, (n, s) in enumerate(params):
+        full["model/" + n] = torch.arange(float(np.prod(s))).reshape(s) + 1000 * i
+        full[f"optim/state/{n}/exp_avg"] = -full["model/" + n]
+    (src_mesh, src_kw), (dst_mesh, dst_kw) = src, dst
+    src_layout, dst_layout = megatron_gpt(**cfg, **src_kw), megatron_gpt(**cfg, **dst_kw)
+    _, _, arrays, store = save(full, src_mesh, src_layout)
+    for r in range(dst_mesh.size):
+        got = apply_reads(store, plan_load(arrays, dst_layout, dst_mesh, r))
+        assert_same(got, shard_local_state(full, dst_layout, dst_mesh, r), f"rank {r}")

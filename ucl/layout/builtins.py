@@ -176,6 +176,8 @@ def megatron_gpt(
             last=s == stages - 1,
         )
         members = [(n, sh) for n, sh in params]  # logical shapes; layer numbers local to the stage
+        if not members:
+            continue  # a stage without parameters holds no buffer
         on: Placement = (("pp", (s,)),) if stages > 1 else ()
         flats.append(
             Flat(
