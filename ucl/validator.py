@@ -131,6 +131,11 @@ def _validate_step(repo: Repository, step: int, report: Report, checksums: bool)
                 if e.tensor is None:
                     e.tensor = name
                 report.add(e, step)
+    for p in sorted(_group_docs(meta) & set(record.files)):  # intermediate group documents: listed, so checked
+        try:
+            repo.read_verified(step, p, record)
+        except UCLError as e:
+            report.add(e, step)
     for p in sorted(set(record.files) - expected_files - _group_docs(meta)):
         report.add(InconsistentMetadataError(f"the commit record of step {step} lists {p}, which no array of the "
                                              "step owns", file=f"{step_prefix(step)}/{p}"), step)
