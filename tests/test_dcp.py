@@ -17,7 +17,7 @@ import ucl.dcp
 from ucl.errors import InvalidArgumentError, StepExistsError
 from ucl.testing import dist
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is (disabled|unavailable):UserWarning")
 
 
 def full_state(seed: int = 0) -> dict[str, Any]:
@@ -290,3 +290,24 @@ def test_loads_a_delta_step_written_by_the_engine(tmp_path) -> None:
     target = zeros_like_state(s)
     dcp.load(target, storage_reader=ucl.dcp.Reader(tmp_path, step=1))
     assert_same(s, target)
+
+
+def test_metadata_alone_rebuilds_the_state(tmp_path) -> None:
+    """DCP's load-without-a-model path builds the state from Metadata (planner_data) alone."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    ucl.save({"model": {"w": torch.ones(2, 3)}, "opt": {"pg": [{"lr": 0.1, "params": [0]}]}, "n": 4}, tmp_path, step=0)
+    sd = _load_state_dict_from_keys(storage_reader=ucl.dcp.Reader(tmp_path))
+    assert torch.equal(sd["model"]["w"], torch.ones(2, 3))
+    assert sd["opt"] == {"pg": [{"lr": 0.1, "params": [0]}]} and sd["n"] == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_save_and_load(tmp_path) -> None:
+    s = {"w": torch.randn(300, 70, device="cuda"), "h": torch.randn(9, device="cuda").half(), "n": 1}
+    dcp.save(s, storage_writer=ucl.dcp.Writer(tmp_path, step=0))
+    target = {"w": torch.zeros(300, 70, device="cuda"), "h": torch.zeros(9, device="cuda").half(), "n": 0}
+    dcp.load(target, storage_reader=ucl.dcp.Reader(tmp_path))
+    assert torch.equal(target["w"], s["w"]) and torch.equal(target["h"], s["h"]) and target["n"] == 1
+    assert torch.equal(ucl.load(tmp_path)["w"], s["w"].cpu())

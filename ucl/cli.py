@@ -87,7 +87,7 @@ def cmd_ls(a: argparse.Namespace) -> int:
     from ucl.repo import Repository
 
     repo = Repository.open(a.path)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for s in repo.steps():
         try:
             r = repo.commit_record(s)
@@ -120,7 +120,7 @@ def cmd_info(a: argparse.Namespace) -> int:
                     "shards": math.prod(m.grid), "bytes": m.nbytes, "delta": m.delta is not None,
                     "logical": m.logical} for n, m in ckpt.meta.arrays.items()]
         source = next((e.get("configuration", {}) for e in ckpt.meta.extensions if e.get("name") == "ucl.source"), None)
-        info = {"step": ckpt.step, "kind": ckpt.kind, "parent": ckpt.meta.parent,
+        info: dict[str, Any] = {"step": ckpt.step, "kind": ckpt.kind, "parent": ckpt.meta.parent,
                 "chain": _chain(ckpt.repo, ckpt.step, ckpt.meta.parent), "layout": ckpt.meta.layout,
                 "mesh": ckpt.meta.mesh, "bytes": ckpt.record.nbytes, "time": ckpt.record.time,
                 "source": None if source is None else {"format": source.get("format"),

@@ -219,14 +219,14 @@ def _safetensors_files(src: str) -> tuple[str, dict[str, str], dict[str, Any] | 
                 raise InvalidArgumentError(f"{path} names a file {f!r} outside its directory", file=path)
         meta = doc.get("metadata")
         return src, dict(weight_map), meta if isinstance(meta, dict) else None, indexes[0]
-    weight_map: dict[str, str] = {}
+    found: dict[str, str] = {}
     for fname in sorted(f for f in os.listdir(src) if f.endswith(".safetensors")):
         with safe_open(os.path.join(src, fname), framework="pt") as f:
             for k in f.keys():  # noqa: SIM118 - a safe_open handle, not a dict
-                if k in weight_map:
-                    raise InvalidArgumentError(f"tensor {k!r} is in both {weight_map[k]} and {fname}", tensor=k)
-                weight_map[k] = fname
-    return src, weight_map, None, None
+                if k in found:
+                    raise InvalidArgumentError(f"tensor {k!r} is in both {found[k]} and {fname}", tensor=k)
+                found[k] = fname
+    return src, found, None, None
 
 
 def _import_safetensors(src: str, dst: Any, step: int | None, so: dict[str, Any] | None, comp: str | None,
@@ -333,8 +333,8 @@ def read_dcp_metadata(src: str) -> Any:
 
 
 def _dcp_classes() -> tuple[type, type]:
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     class SafeReader(FileSystemReader):
         """FileSystemReader whose metadata is read once, with the restricted unpickler."""
@@ -366,8 +366,8 @@ def _dcp_classes() -> tuple[type, type]:
 
 def _import_dcp(src: str, dst: Any, step: int | None, so: dict[str, Any] | None, comp: str | None,
                 progress: bool | None) -> ImportResult:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     from ucl.dcp import json_node, tree_from_paths
 
@@ -385,7 +385,7 @@ def _import_dcp(src: str, dst: Any, step: int | None, so: dict[str, Any] | None,
         planner = planner_cls()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+            dcp_load(state, storage_reader=reader, planner=planner, no_dist=True)
         return planner
 
     values = [f for f in md.state_dict_metadata if f not in tensors]

@@ -167,10 +167,11 @@ def tree_from_paths(leaves: Mapping[ObjPath, dict[str, Any]]) -> dict[str, Any]:
 
     def build(container: dict[str | int, Any]) -> dict[str, Any]:
         keys = list(container)
-        if keys and all(type(k) is int for k in keys):
-            out: list[dict[str, Any]] = [{"t": "value", "v": None}] * (max(keys) + 1)  # type: ignore[arg-type]
-            for k in keys:
-                out[k] = conv(container[k])  # type: ignore[index]
+        ints = [k for k in keys if type(k) is int]
+        if keys and len(ints) == len(keys):
+            out: list[dict[str, Any]] = [{"t": "value", "v": None}] * (max(ints) + 1)
+            for i in ints:
+                out[i] = conv(container[i])
             return {"t": "list", "items": out}
         if any(type(k) is int for k in keys):
             raise InvalidNameError(f"DCP paths mix list indices and dict keys under one container: {keys[:8]}")
@@ -368,8 +369,8 @@ class Writer(StorageWriter):
         tree = tree_from_paths(dict(sorted(leaves.items(), key=lambda kv: order.get(kv[0], len(order)))))
         fqns = sorted(self._arrays, key=lambda f: order.get(self._paths[f], len(order)))
         arrays = {self._arrays[f].name: self._arrays[f] for f in fqns}
-        meta = StepMeta(step=self._step_writer.step, kind="full", tree=tree, arrays=arrays)
-        self.record = self._step_writer.commit(meta, files)
+        step_meta = StepMeta(step=self._step_writer.step, kind="full", tree=tree, arrays=arrays)
+        self.record = self._step_writer.commit(step_meta, files)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

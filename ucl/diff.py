@@ -233,9 +233,9 @@ def plot(report: DiffReport, path: str) -> None:
         grid = np.full((len(kinds), len(layers)), np.nan)
         for r, kind in enumerate(kinds):
             for c, layer in enumerate(layers):
-                v = layered[kind].get(layer)
-                if v is not None:
-                    grid[r, c] = max(v, floor / 10)  # bitwise-equal tensors: below the smallest change
+                cell = layered[kind].get(layer)
+                if cell is not None:
+                    grid[r, c] = max(cell, floor / 10)  # bitwise-equal tensors: below the smallest change
         ax = axes[i]
         im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis",
                        norm=LogNorm(vmin=floor / 10, vmax=max(positives or [1.0])))

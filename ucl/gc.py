@@ -106,8 +106,9 @@ def _mtime_of(info: dict[str, Any]) -> float | None:
         v = info.get(k)
         if isinstance(v, int | float):
             return float(v)
-        if hasattr(v, "timestamp"):
-            return float(v.timestamp())
+        stamp = getattr(v, "timestamp", None)
+        if callable(stamp):
+            return float(stamp())
     return None
 
 
