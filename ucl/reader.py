@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -152,6 +153,7 @@ class Checkpoint:
         self._pool: ThreadPoolExecutor | None = None
         self._chain_steps: dict[int, tuple[StepMeta, StepFiles]] = {step: (meta, self._files)}
         self._chain: Any = None
+        self._lock = threading.Lock()
 
     # -- mapping-like ------------------------------------------------------------------------------
     def keys(self) -> list[str]:
@@ -202,18 +204,21 @@ class Checkpoint:
         plain = [r for r in requests if r.meta.delta is None]
         chained = [r for r in requests if r.meta.delta is not None]
         if self._pool is None and sum(r.meta.nbytes for r in plain) > 8 << 20:
-            self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ucl-read")
+            with self._lock:  # zarr views read from several threads at once
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ucl-read")
         if plain:
             read(self._files, plain, self._pool)
         for r in chained:  # delta-encoded tensors: through the step's chain (spec/delta.md §6.3)
             self._chain_reader().read(r)
 
     def _chain_reader(self) -> Any:
-        if self._chain is None:
-            from ucl.delta.read import ChainReader
+        with self._lock:
+            if self._chain is None:
+                from ucl.delta.read import ChainReader
 
-            self._chain = ChainReader(self.step, self._step_source)
-        return self._chain
+                self._chain = ChainReader(self.step, self._step_source)
+            return self._chain
 
     def _step_source(self, step: int) -> tuple[StepMeta, StepFiles]:
         if step not in self._chain_steps:
