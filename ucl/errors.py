@@ -19,6 +19,9 @@ class UCLError(Exception):
         self.tensor = tensor
         self.file = file
 
+    def __str__(self) -> str:  # OSError/KeyError parents would print errno tuples or quotes instead
+        return self.message
+
     def to_dict(self) -> dict[str, str | None]:
         return {"code": self.code, "message": self.message, "tensor": self.tensor, "file": self.file}
 
@@ -40,9 +43,6 @@ class TensorNotFoundError(UCLError, KeyError):
     """The step has no tensor of that name."""
 
     code = "tensor_not_found"
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return self.message
 
 
 # -- metadata that is not valid -------------------------------------------------------------------
