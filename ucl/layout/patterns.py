@@ -68,6 +68,23 @@ def match(pattern: str, name: str, int_captures: bool = False) -> dict[str, str]
     return None if m is None else m.groupdict()
 
 
+def literal(pattern: str) -> str | None:
+    """The one name ``pattern`` matches when it has no wildcard or capture, else None."""
+    out: list[str] = []
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern):
+            out.append(pattern[i + 1])
+            i += 2
+        elif c in "*{}":
+            return None
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
 def escape(name: str) -> str:
     """A pattern that matches exactly ``name``."""
     return "".join("\\" + c if c in "\\*{}" else c for c in name)

@@ -139,6 +139,16 @@ class Resolver:
         check_mesh(self.layout, self.mesh)
         self.bounds = [r.stage_bounds(self.mesh) for r in self.layout.renumbers]
         self.members = [frozenset(m for m, _ in f.members) for f in self.layout.flats]
+        # literal patterns (exact names, as layouts derived from DTensors have) by name; the rest scanned
+        self._literal: dict[str, list[tuple[int, str]]] = {}
+        self._globs: list[tuple[int, str]] = []
+        for i, r in enumerate(self.layout.rules):
+            for p in r.patterns:
+                name = patterns.literal(p)
+                if name is None:
+                    self._globs.append((i, p))
+                else:
+                    self._literal.setdefault(name, []).append((i, p))
 
     # -- renumbering (§7.5)
     def to_logical(self, local: str, coords: Mapping[str, int]) -> str:
@@ -188,11 +198,11 @@ class Resolver:
         hit = self._rules.get(logical)
         if hit is not None:
             return hit
-        found: list[tuple[int, str]] = []
-        for i, r in enumerate(self.layout.rules):
-            p = next((p for p in r.patterns if patterns.match(p, logical) is not None), None)
-            if p is not None:
+        found: list[tuple[int, str]] = list(self._literal.get(logical, ()))
+        for i, p in self._globs:
+            if (not found or found[-1][0] != i) and patterns.match(p, logical) is not None:
                 found.append((i, p))
+        found = sorted({i: (i, p) for i, p in reversed(found)}.values())
         if len(found) > 1:
             (i, p), (j, q) = found[0], found[1]
             raise OverlappingRulesError(

@@ -9,6 +9,7 @@ outermost; a split over several axes ``a*b`` numbers its ranks row-major in that
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -116,30 +117,36 @@ def _blocks_fused(fused: Fused, k: int) -> list[Block]:
 
 
 def dim_plan(rule: Rule | None, dim: int, n: int, mesh: Mesh, name: str) -> DimPlan:
+    """The blocks of dim ``dim`` (logical size ``n``) of tensor ``name`` under ``rule`` (dims resolved)."""
+    for t in rule.transforms if rule else ():
+        if isinstance(t, Size) and t.dim == dim and t.size != n:
+            raise LayoutShapeError(
+                f"tensor {name!r}: dim {dim} has {n} elements; the rule declares size({dim}, {t.size})",
+                tensor=name,
+            )
+        if isinstance(t, Fused) and t.dim == dim and t.size != n:
+            raise LayoutShapeError(
+                f"tensor {name!r}: dim {dim} has {n} elements; the fused parts "
+                f"({', '.join(f'{p.name}={p.size}' for p in t.parts)}) sum to {t.size}",
+                tensor=name,
+            )
+    return _dim_plan(rule, dim, n, mesh)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _dim_plan(rule: Rule | None, dim: int, n: int, mesh: Mesh) -> DimPlan:
     splits: list[tuple[str, ...]] = []
     padded = n
     fused: Fused | None = None
-    ndim_hint = f"tensor {name!r}"
     for t in rule.transforms if rule else ():
-        if not isinstance(t, Shard | Fused | Pad | Size) or t.dim != dim:
+        if not isinstance(t, Shard | Fused | Pad) or t.dim != dim:
             continue
-        if isinstance(t, Size) and t.size != n:
-            raise LayoutShapeError(
-                f"{ndim_hint}: dim {dim} has {n} elements; the rule declares size({dim}, {t.size})",
-                tensor=name,
-            )
         if isinstance(t, Pad):
             m = t.value(mesh)
             padded = -(-n // m) * m
-        if isinstance(t, Fused):
-            if t.size != n:
-                raise LayoutShapeError(
-                    f"{ndim_hint}: dim {dim} has {n} elements; the fused parts "
-                    f"({', '.join(f'{p.name}={p.size}' for p in t.parts)}) sum to {t.size}",
-                    tensor=name,
-                )
+        elif isinstance(t, Fused):
             fused = t
-        if isinstance(t, Shard):
+        else:
             splits.append(t.axes)
     sizes = tuple(math.prod(mesh.axis_size(a) for a in axes) for axes in splits)
     if fused is not None:
@@ -158,17 +165,25 @@ def resolve_dims(rule: Rule | None, ndim: int, name: str) -> Rule | None:
     """``rule`` with negative dims resolved for a tensor of ``ndim`` dims; checks every dim exists."""
     if rule is None:
         return None
-    ts = []
     for t in rule.transforms:
-        if isinstance(t, Shard | Fused | Pad | Size):
-            d = t.dim + ndim if t.dim < 0 else t.dim
-            if not 0 <= d < ndim:
-                raise LayoutShapeError(
-                    f"tensor {name!r} has {ndim} dims; its rule ({rule.patterns[0]!r}) names dim {t.dim}",
-                    tensor=name,
-                )
-            t = dataclasses.replace(t, dim=d)
-        ts.append(t)
+        if isinstance(t, Shard | Fused | Pad | Size) and not -ndim <= t.dim < ndim:
+            raise LayoutShapeError(
+                f"tensor {name!r} has {ndim} dims; its rule ({rule.patterns[0]!r}) names dim {t.dim}",
+                tensor=name,
+            )
+    return _resolved(rule, ndim)
+
+
+@functools.lru_cache(maxsize=4096)
+def _resolved(rule: Rule, ndim: int) -> Rule:
+    if all(t.dim >= 0 for t in rule.transforms if isinstance(t, Shard | Fused | Pad | Size)):
+        return rule
+    ts = [
+        dataclasses.replace(t, dim=t.dim + ndim)
+        if isinstance(t, Shard | Fused | Pad | Size) and t.dim < 0
+        else t
+        for t in rule.transforms
+    ]
     return Rule(rule.patterns, tuple(ts), rule.on)
 
 
