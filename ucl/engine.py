@@ -230,6 +230,8 @@ class CheckpointManager:
                                   "steps never change", file=commit_key(step))
         tensors, tree = names.flatten(state)
         plan = self._plan(tensors)
+        if self.world == 1:  # files of an earlier attempt that never committed (ranks > 1: `ucl gc`)
+            self.repo.store.delete_prefix(step_prefix(step))
         handle = SaveHandle(step)
         pieces = self._pieces(plan, tensors)
         if self.when_busy == "skip" and not self._free_slot_now(len(pieces)):

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ucl import dtypes, metadata, names
-from ucl.errors import InvalidArgumentError, StepExistsError, StepNotCommittedError, CheckpointNotFoundError
+from ucl.errors import CheckpointNotFoundError, InvalidArgumentError, StepExistsError
 from ucl.metadata import ArrayMeta, CommitRecord, StepMeta
 from ucl.repo import Repository, check_step, commit_key, step_prefix
 from ucl.shard import choose_inner_chunk, encode_shard
@@ -72,10 +72,8 @@ class StepWriter:
     def begin(self) -> None:
         try:
             self.repo.commit_record(self.step)
-        except StepNotCommittedError:
+        except CheckpointNotFoundError:  # also StepNotCommittedError: files of an attempt that never committed
             self.store.delete_prefix(self.prefix)
-        except CheckpointNotFoundError:
-            pass
         else:
             raise StepExistsError(f"step {self.step} is already committed in {self.repo.url}; committed steps "
                                   "never change", file=commit_key(self.step))
