@@ -49,8 +49,9 @@ class Store(ABC):
         """``length`` bytes at ``offset`` (fewer only at the end of the object)."""
 
     @abstractmethod
-    def write(self, key: str, buffers: Sequence[Buffer]) -> tuple[int, int]:
-        """Write the concatenation of ``buffers`` durably; return (size, crc32c)."""
+    def write(self, key: str, buffers: Sequence[Buffer], *, durable: bool = True) -> tuple[int, int]:
+        """Write the concatenation of ``buffers``; return (size, crc32c). Durable on return unless
+        ``durable=False``, in which case a later :meth:`sync_all` makes it so."""
 
     @abstractmethod
     def write_atomic(self, key: str, data: bytes) -> None:
@@ -89,6 +90,10 @@ class Store(ABC):
 
     def sync_dir(self, prefix: str) -> None:
         """Make directory entries under ``prefix`` durable (object stores need nothing)."""
+
+    def sync_all(self) -> bool:
+        """Make everything written so far durable at once, if the backend can (True), else False."""
+        return not self.is_local
 
     def close(self) -> None:
         """Release resources (connections, pools)."""

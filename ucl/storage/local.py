@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import shutil
 from collections.abc import Sequence
+from typing import Any
 
 from ucl import _native
 from ucl.errors import InvalidNameError, WriteError
 from ucl.storage.base import Buffer, Store, check_key
 
 _IOV_MAX = 1024
+
+
+def _load_syncfs() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_syncfs = _load_syncfs()
 
 
 class LocalStore(Store):
@@ -57,7 +72,7 @@ class LocalStore(Store):
         finally:
             os.close(fd)
 
-    def write(self, key: str, buffers: Sequence[Buffer]) -> tuple[int, int]:
+    def write(self, key: str, buffers: Sequence[Buffer], *, durable: bool = True) -> tuple[int, int]:
         p = self.path(key)
         os.makedirs(os.path.dirname(p), exist_ok=True)
         crc = 0
@@ -72,7 +87,8 @@ class LocalStore(Store):
                         n = os.write(fd, mv)
                         mv = mv[n:]
                         size += n
-                os.fdatasync(fd)
+                if durable:
+                    os.fdatasync(fd)
             finally:
                 os.close(fd)
         except OSError as e:
@@ -127,6 +143,21 @@ class LocalStore(Store):
 
     def sync_dir(self, prefix: str) -> None:
         fsync_dir(self.path(prefix) if prefix else self.root)
+
+    def sync_all(self) -> bool:
+        """Make everything written to this filesystem durable with one syncfs(2): data, inodes and
+        directory entries (one journal commit instead of one fsync per file and directory).
+        Returns False where syncfs is unavailable (the caller then syncs file by file)."""
+        if _syncfs is None:
+            return False
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            if _syncfs(fd) != 0:
+                err = ctypes.get_errno()
+                raise _write_error(OSError(err, os.strerror(err)), self.root, 0)
+        finally:
+            os.close(fd)
+        return True
 
 
 def fsync_dir(path: str) -> None:

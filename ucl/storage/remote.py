@@ -120,7 +120,7 @@ class FsspecStore(Store):
         return sorted(x for x in out if x)
 
     # -- writing -----------------------------------------------------------------------------------
-    def write(self, key: str, buffers: Sequence[Buffer]) -> tuple[int, int]:
+    def write(self, key: str, buffers: Sequence[Buffer], *, durable: bool = True) -> tuple[int, int]:
         path = self.path(key)
         views = [memoryview(b).cast("B") for b in buffers]
         crc = 0
