@@ -2,7 +2,8 @@
 
 Acts, in order (each a function of :class:`Demo`; later features add theirs to :data:`ACTS`):
 
-1. train      train a small GPT for ``--steps`` steps, ``ucl.save`` of model + AdamW state every step
+1. train      train a small GPT for ``--steps`` steps; ``CheckpointManager.save`` of model + AdamW state
+              every step (delta steps between full ones, retention), its cost beside the step time
 2. crash      a child process resumes from the latest step, trains and saves, and is SIGKILLed in the
               middle of a save: the latest committed step is intact, the half-written step is invisible
 3. resume     reload the latest step into a fresh model and optimizer and train on: every loss, and the
@@ -10,6 +11,7 @@ Acts, in order (each a function of :class:`Demo`; later features add theirs to :
 4. lazy_read  ``ckpt[name][:8]`` reads only the inner chunks holding those rows
 5. validate   ``ucl.validate`` over every committed step
 6. native     the same bytes through zarr-python and through tensorstore (in a process with no ucl code)
+7. zarr       a delta step mounted as a zarr store (``ucl.zarr_store``): chain resolved, bit-exact
 
 Exit status: 0 when every check passes, 1 when one fails, 2 on a usage error.
 """
@@ -36,7 +38,9 @@ import torch
 
 import ucl
 from ucl import names
+from ucl.engine import CheckpointManager
 from ucl.errors import CheckpointNotFoundError
+from ucl.policy import DeltaPolicy
 from ucl.storage import LocalStore
 from ucl.testing.gpt import (
     SyntheticData,
@@ -74,7 +78,8 @@ class Demo:
     losses: dict[int, float] = field(default_factory=dict)  # uninterrupted run: step -> loss
     train_times: list[float] = field(default_factory=list)
     save_times: list[float] = field(default_factory=list)
-    step_bytes: int = 0  # bytes one committed step occupies (from its commit record)
+    step_bytes: float = 0  # bytes one full step occupies (from its commit record)
+    delta_bytes: float = 0  # median bytes of a delta step
     n_tensors: int = 0
     crash_losses: dict[int, float] = field(default_factory=dict)  # losses the crashed child reported
     crashed_step: int | None = None  # the step whose save was killed
@@ -125,35 +130,76 @@ def record_bytes(record: Any) -> int:
     return sum(size for size, _crc in record.files.values())
 
 
-# -- act 1: train, saving every step -------------------------------------------------------------
+# -- act 1: train, checkpointing every step through the engine ----------------------------------
 def act_train(d: Demo) -> None:
     a = d.args
     d.model, d.opt = make_model_and_optimizer(a.preset, a.seed)
-    d.data = SyntheticData(d.model.config, a.seed)
+    d.data = SyntheticData(d.model.config, a.seed, batch_size=a.batch)
     c = d.model.config
     print(f"  {a.preset}: {c.n_params / 1e6:.2f}M parameters (vocab {c.vocab}, d_model {c.d_model}, "
           f"{c.n_layers} layers, {c.n_heads} heads / {c.n_kv_heads} kv heads), "
           f"batch {d.data.batch_size}x{c.seq_len}, {torch.get_num_threads()} threads")
-    for step in range(1, a.steps + 1):
+    # a few steps without checkpointing: the baseline step time (the uninterrupted run is unaffected:
+    # these steps train a throw-away copy)
+    probe, probe_opt = make_model_and_optimizer(a.preset, a.seed)
+    base = []
+    for step in range(1, 4):
         t0 = time.perf_counter()
-        d.losses[step] = train_step(d.model, d.opt, d.data.batch(step))
-        t1 = time.perf_counter()
-        record = ucl.save(full_state(d.model, d.opt), d.repo, step=step)
-        t2 = time.perf_counter()
-        d.train_times.append(t1 - t0)
-        d.save_times.append(t2 - t1)
-        d.step_bytes = record_bytes(record)
-        d.n_tensors = len(record.files)
-        if step <= 3 or step % 5 == 0 or step == a.steps:
-            print(f"  step {step:3d}  loss {d.losses[step]:.4f}  train {t1 - t0:.3f} s  save {t2 - t1:.3f} s")
+        train_step(probe, probe_opt, d.data.batch(step))
+        base.append(time.perf_counter() - t0)
+    del probe, probe_opt
+    policy = DeltaPolicy(full_every=a.full_every)
+    records: dict[int, Any] = {}
+    t_loop = time.perf_counter()
+    with CheckpointManager(d.repo, delta=policy, keep_last=a.keep_last) as mgr:
+        handles = {}
+        for step in range(1, a.steps + 1):
+            t0 = time.perf_counter()
+            d.losses[step] = train_step(d.model, d.opt, d.data.batch(step))
+            t1 = time.perf_counter()
+            handles[step] = mgr.save(step, full_state(d.model, d.opt))  # returns once staged
+            t2 = time.perf_counter()
+            d.train_times.append(t1 - t0)
+            d.save_times.append(t2 - t1)
+            done = [s for s, h in handles.items() if h.done()]
+            for s in done:
+                records[s] = handles.pop(s).result()
+            if step <= 3 or step % 5 == 0 or step == a.steps:
+                print(f"  step {step:3d}  loss {d.losses[step]:.4f}  train {t1 - t0:.3f} s  save blocked "
+                      f"{1e3 * (t2 - t1):.1f} ms")
+        mgr.wait()
+        for s, h in handles.items():
+            records[s] = h.result()
+    loop = time.perf_counter() - t_loop
     d.step = a.steps
+    full = [r for r in records.values() if r.kind == "full"]
+    deltas = [r for r in records.values() if r.kind == "delta"]
+    d.step_bytes = statistics.median(record_bytes(r) for r in full)
+    d.delta_bytes = statistics.median(record_bytes(r) for r in deltas) if deltas else 0
+    d.n_tensors = len(next(iter(records.values())).files)
     first, last = d.losses[1], d.losses[a.steps]
     d.check("loss decreases", last < first,
             f"{first:.4f} -> {last:.4f} (best possible <= {d.data.loss_bound:.2f})")
-    d.check("every step committed", ucl.Repository.open(d.repo).steps() == list(range(1, a.steps + 1)),
-            f"steps 1..{a.steps}")
+    d.check("every step committed", sorted(records) == list(range(1, a.steps + 1)),
+            f"steps 1..{a.steps}: {len(full)} full, {len(deltas)} delta")
+    kept = ucl.Repository.open(d.repo).steps()
+    newest = list(range(max(1, a.steps - a.keep_last + 1), a.steps + 1))
+    d.check("retention kept the newest steps and the bases their deltas need", kept[-len(newest):] == newest
+            and all(ucl.open(d.repo, s).load(flat=True) is not None for s in newest), f"kept {kept}")
+    med = statistics.median
+    block = med(d.save_times) / med(d.train_times)
+    wall = loop / (med(base) * a.steps) - 1
+    print(f"  bytes per step: full {fmt_bytes(d.step_bytes)}, delta {fmt_bytes(d.delta_bytes)} "
+          f"({d.step_bytes / max(d.delta_bytes, 1):.2f}x smaller, bit-exact)")
+    print(f"  checkpoint cost: save blocks {1e3 * med(d.save_times):.1f} ms = {100 * block:.1f}% of a "
+          f"{1e3 * med(d.train_times):.0f} ms step; loop wall time {100 * wall:+.1f}% vs steps without saves")
     d.summary["model"] = (f"{a.preset}: {c.n_params / 1e6:.2f}M params; model + AdamW state "
-                          f"{fmt_bytes(d.step_bytes)} per step on disk")
+                          f"{fmt_bytes(d.step_bytes)} per full step")
+    d.summary["deltas"] = (f"{len(deltas)} delta steps of median {fmt_bytes(d.delta_bytes)} beside "
+                           f"{fmt_bytes(d.step_bytes)} full ({d.step_bytes / max(d.delta_bytes, 1):.2f}x smaller)")
+    d.summary["engine"] = (f"save blocks training {100 * block:.1f}% of its step time (median "
+                           f"{1e3 * med(d.save_times):.1f} ms); wall time of the loop {100 * wall:+.1f}% "
+                           "(CPU shared with the background writer)")
 
 
 # -- act 2: crash in the middle of a save --------------------------------------------------------
@@ -182,7 +228,7 @@ def crash_child(a: argparse.Namespace) -> int:
     train one more and die during its save."""
     torch.set_num_threads(a.threads)
     model, opt = make_model_and_optimizer(a.preset, a.seed)
-    data = SyntheticData(model.config, a.seed)
+    data = SyntheticData(model.config, a.seed, batch_size=a.batch)
     with ucl.open(a.dir) as ck:
         start = ck.step
         load_full_state(model, opt, ck.load())
@@ -240,7 +286,7 @@ def _watch_child(d: Demo, proc: subprocess.Popen[str]) -> tuple[int, int, int] |
 def act_crash(d: Demo) -> None:
     a = d.args
     cmd = [sys.executable, "-m", "ucl.demo", "--crash-child", "--dir", d.repo, "--preset", a.preset,
-           "--seed", str(a.seed), "--threads", str(torch.get_num_threads()),
+           "--seed", str(a.seed), "--threads", str(torch.get_num_threads()), "--batch", str(a.batch),
            "--crash-after", str(a.crash_after)]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -303,7 +349,6 @@ def act_resume(d: Demo) -> None:
         loss = train_step(model, opt, d.data.batch(step))
         t1 = time.perf_counter()
         ucl.save(full_state(model, opt), d.repo, step=step)
-        d.save_times.append(time.perf_counter() - t1)
         same = loss == d.losses[step]
         exact &= same
         d.check(f"step {step} loss after resume == uninterrupted", same,
@@ -413,6 +458,27 @@ def act_native(d: Demo) -> None:
                            "tensorstore (zarr3 driver)")
 
 
+# -- act 7: mount a step as a zarr store ---------------------------------------------------------
+def act_zarr(d: Demo) -> None:
+    import numpy as np
+    import zarr
+
+    repo = ucl.Repository.open(d.repo)
+    delta_steps = [s for s in repo.steps() if repo.commit_record(s).kind == "delta"]
+    step = delta_steps[-1] if delta_steps else repo.steps()[-1]
+    store = ucl.zarr_store(d.repo, step)
+    group = zarr.open_group(store=store, mode="r")
+    with ucl.open(d.repo, step) as ck:
+        name = EMBEDDING
+        want = ck[name][:16]
+        kind = ck.kind
+    got = torch.from_numpy(np.ascontiguousarray(group[name][:16]))
+    d.check(f"zarr.open_group(store=ucl.zarr_store(repo, {step})) reads {name}[:16]", bit_equal(got, want),
+            f"step {step} is a {kind} step: its chain resolved by the store, bit-exact")
+    n_arrays = sum(1 for _ in group.arrays()) + sum(1 for _, g in group.groups() for _ in g.arrays())
+    d.summary["zarr"] = f"step {step} ({kind}) mounted as a read-only zarr store: {n_arrays}+ arrays, bit-exact"
+
+
 # The acts, in order. Later issues add theirs (engine saves with CheckpointManager, resharding, deltas,
 # zarr mount): a function taking the Demo, printing its lines, calling d.check(...) for each claim and
 # adding a line to d.summary. An act that raises stops the demo (exit 1).
@@ -423,6 +489,7 @@ ACTS: list[tuple[str, Callable[[Demo], None]]] = [
     ("lazy_read", act_lazy_read),
     ("validate", act_validate),
     ("native", act_native),
+    ("zarr", act_zarr),
 ]
 
 
@@ -452,10 +519,8 @@ def print_summary(d: Demo, elapsed: float) -> None:
         steps = ucl.Repository.open(d.repo).steps()
         rows = {
             "model": rows.pop("model", ""),
-            "steps": f"{len(steps)} committed ({steps[0]}..{steps[-1]}), {fmt_bytes(d.step_bytes)} and "
-                     f"{d.n_tensors} files per step, {fmt_bytes(d.step_bytes * len(steps))} in {d.repo}",
-            "time": f"train step {tr * 1e3:.0f} ms, save {sv * 1e3:.0f} ms ({sv / tr:.1f}x a train step, "
-                    f"{fmt_bytes(d.step_bytes / sv)}/s; medians, synchronous ucl.save)",
+            "steps": f"{len(steps)} kept ({steps[0]}..{steps[-1]}) in {d.repo}",
+            "time": f"train step {tr * 1e3:.0f} ms, save blocks {sv * 1e3:.1f} ms (medians)",
             **rows,
         }
     failed = [c for c in d.checks if not c.ok]
@@ -482,10 +547,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's, at most 4)")
     p.add_argument("--crash-after", type=int, default=2, help="steps the child commits before it is killed")
     p.add_argument("--resume-steps", type=int, default=2, help="steps trained after the crashed one")
+    p.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
+    p.add_argument("--full-every", type=int, default=10, help="a full step every N saves, deltas between")
+    p.add_argument("--keep-last", type=int, default=4, help="retention: keep the newest N steps")
     p.add_argument("--crash-child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.steps < 2 or a.crash_after < 0 or a.resume_steps < 0:
-        p.error("--steps must be >= 2; --crash-after and --resume-steps >= 0")
+    if a.steps < 2 or a.crash_after < 0 or a.resume_steps < 0 or a.full_every < 1 or a.keep_last < 1:
+        p.error("--steps must be >= 2; --crash-after and --resume-steps >= 0; --full-every, --keep-last >= 1")
     get_config(a.preset)
     return a
 
