@@ -22,7 +22,9 @@ from ucl import _native, metadata
 from ucl.errors import (
     CheckpointNotFoundError,
     ChecksumError,
+    CorruptCommitRecordError,
     InvalidArgumentError,
+    LimitExceededError,
     MissingShardError,
     ShardSizeError,
     StepNotCommittedError,
@@ -59,7 +61,7 @@ class Repository:
              create: bool = False) -> Repository:
         repo = cls(open_store(path, storage_options))
         try:
-            raw = repo.store.read("zarr.json")
+            raw = repo._read_doc("zarr.json")
         except (FileNotFoundError, NotADirectoryError):
             if not create:
                 raise CheckpointNotFoundError(f"no ucl repository at {repo.store.url} (zarr.json is missing)",
@@ -104,7 +106,10 @@ class Repository:
         check_step(step)
         key = commit_key(step)
         try:
-            raw = self.store.read(key)
+            raw = self._read_doc(key)
+        except LimitExceededError as e:
+            raise CorruptCommitRecordError(f"commit record {self.url}/{key} is unreadable: {e.message}",
+                                           file=key) from None
         except (FileNotFoundError, NotADirectoryError):
             if self.store.exists(f"{step_prefix(step)}/zarr.json"):
                 raise StepNotCommittedError(f"step {step} in {self.url} has files but no commit record: it was never "
@@ -112,12 +117,25 @@ class Repository:
             raise CheckpointNotFoundError(f"step {step} does not exist in {self.url}", file=key) from None
         return CommitRecord.from_bytes(raw, f"{self.url}/{key}", step)
 
+    def _read_doc(self, key: str) -> bytes:
+        """A metadata document that no record sizes: refused unread when larger than the spec's limit."""
+        size = self.store.size(key)
+        if size is not None and size > metadata.MAX_DOC_BYTES:
+            raise LimitExceededError(f"{key} is {size} bytes, more than the limit of {metadata.MAX_DOC_BYTES}",
+                                     file=key)
+        return self.store.read(key)
+
     def read_verified(self, step: int, rel: str, record: CommitRecord) -> bytes:
         """A small file of a committed step, checked against its commit record (size and crc32c)."""
         key = f"{step_prefix(step)}/{rel}"
         if rel not in record.files:
             raise MissingShardError(f"{key} is not listed in the commit record of step {step}", file=key)
         size, crc = record.files[rel]
+        actual = self.store.size(key)  # compared before anything is read: a record's size may lie
+        if actual is None:
+            raise MissingShardError(f"{key} is missing", file=key)
+        if actual != size:
+            raise ShardSizeError(f"{key} is {actual} bytes, the commit record says {size}", file=key)
         try:
             data = self.store.read(key)
         except (FileNotFoundError, NotADirectoryError):
