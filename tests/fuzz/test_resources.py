@@ -74,3 +74,29 @@ def test_hostile_fixture_is_cheap_and_stays_inside(fixture: str) -> None:
             assert real.startswith(inside), (
                 f"{fixture}: opened {p}, which resolves to {real}, outside the repository"
             )
+
+
+@pytest.mark.parametrize("rel", ["zarr.json", "commits/1.json", "steps/1/zarr.json", "steps/1/w/zarr.json"])
+def test_huge_documents_are_refused_unread(tmp_path: Path, rel: str) -> None:
+    """A 64 GiB (sparse) metadata document: refused from its size, not read into memory (was MemoryError)."""
+    import torch
+
+    import ucl
+    from ucl.errors import UCLError
+
+    repo = tmp_path / "r"
+    ucl.save({"w": torch.zeros(3)}, repo, step=1)
+    with open(repo / rel, "r+b") as f:
+        f.truncate(64 << 30)
+    tracemalloc.start()
+    try:
+        for op in (lambda: ucl.open(repo, 1).close(), lambda: ucl.validate(repo)):
+            try:
+                report = op()
+            except UCLError:
+                continue
+            assert report is None or not report.ok
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < PEAK_LIMIT
