@@ -8,12 +8,13 @@
 
 from ucl.dtypes import register_zarr_dtypes as _register_zarr_dtypes
 from ucl.errors import UCLError
-from ucl.reader import Checkpoint, LazyTensor, load, open
+from ucl.reader import Checkpoint, LazyTensor, LogicalTensor, open
 from ucl.repo import Repository
+from ucl.reshard import load, load_into
 from ucl.writer import save
 
-__all__ = ["Checkpoint", "LazyTensor", "Repository", "UCLError", "load", "open", "save", "validate",
-           "zarr_store"]
+__all__ = ["Checkpoint", "LazyTensor", "LogicalTensor", "Repository", "UCLError", "load", "load_into", "open",
+           "save", "validate", "zarr_store"]
 __version__ = "0.1.0"
 
 

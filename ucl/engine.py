@@ -25,7 +25,7 @@ import traceback
 from collections.abc import Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -145,6 +145,16 @@ class CheckpointManager:
     interval
         A :class:`ucl.policy.AdaptiveInterval` for :meth:`save_if_due`: checkpoint every Young/Daly
         interval, re-estimated from what saves measurably cost training (their blocking time).
+    layout, mesh
+        Save under a source layout (spec/layout.md): ``layout`` is a :class:`ucl.layout.Layout`, its text or
+        JSON form, or ``"dtensor"`` (derived at each save from the state's DTensor placements with
+        :func:`ucl.layout.layout_from_dtensors`; the state's DTensors are saved from their local shards);
+        ``mesh`` a :class:`ucl.layout.Mesh`, ``"pp=2 dp=2 tp=4"`` or ``{"tp": 4, ...}`` (default: the mesh
+        the layout declares). The mesh must have as many ranks as the process group; this process is
+        its rank in the group. Each rank passes its own local state (local layer numbers, flat buffers);
+        the ranks' plans are checked together before any byte of the step is written, and the step
+        records the layout and mesh. Read it back with ``ucl.open`` (logical tensors) or ``ucl.load(path,
+        layout=, mesh=, rank=)`` (any other configuration); :meth:`restore` gives this rank's state.
     storage_options
         fsspec options for URLs.
 
@@ -161,7 +171,8 @@ class CheckpointManager:
                  when_busy: str = "wait", staging_bytes: int | None = None, writer_threads: int = 4,
                  direct: bool | None = None, process_group: Any = None, compression: str | None = None,
                  delta: Any = None, interval: AdaptiveInterval | None = None,
-                 storage_options: dict[str, Any] | None = None, timeout: float = 600.0) -> None:
+                 storage_options: dict[str, Any] | None = None, timeout: float = 600.0,
+                 layout: Any = None, mesh: Any = None) -> None:
         if when_busy not in ("wait", "skip"):
             raise InvalidArgumentError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
         for n, v in (("keep_last", keep_last), ("keep_every", keep_every)):
@@ -186,8 +197,28 @@ class CheckpointManager:
         self.staging_bytes = staging_bytes
         self.timeout = timeout
         self._compression = {"name": "zstd", "configuration": {"level": 1, "checksum": False}} if compression else None
+        self._dtensor = isinstance(layout, str) and layout == "dtensor"
+        self.layout: Any = None  # the source layout (ucl.layout.Layout), None without one
+        self.mesh: Any = None
+        if layout is not None and not self._dtensor:
+            from ucl.layout import as_layout
+
+            self.layout = as_layout(layout)
+        elif layout is None and mesh is not None:
+            raise InvalidArgumentError("mesh= needs a layout= to go with it")
         self._dist = _Dist.make(process_group, timeout)
         self.rank, self.world = self._dist.rank, self._dist.world
+        if self.layout is not None:
+            from ucl.layout import as_mesh
+
+            try:
+                self.mesh = as_mesh(mesh, self.layout, self.world)
+            except BaseException:
+                self._dist.close()
+                raise
+        elif self._dtensor and mesh is not None:
+            raise InvalidArgumentError("layout='dtensor' takes its mesh from the DTensors; pass no mesh=")
+        self._dtensor_layouts: dict[Any, tuple[Any, Any, int]] = {}
         self.repo = self._open_repo(path, storage_options)
         self._lock = _WriterLock.acquire(self.repo) if self.rank == 0 else None
         self._writer_threads, self._direct = writer_threads, direct
@@ -229,6 +260,8 @@ class CheckpointManager:
             raise StepExistsError(f"step {step} is already committed or being saved in {self.repo.url}; committed "
                                   "steps never change", file=commit_key(step))
         tensors, tree = names.flatten(state)
+        if self._dtensor:
+            tensors = self._dtensor_locals(tensors)
         plan = self._plan(tensors)
         if self.world == 1:  # files of an earlier attempt that never committed (ranks > 1: `ucl gc`)
             self.repo.store.delete_prefix(step_prefix(step))
@@ -247,10 +280,9 @@ class CheckpointManager:
                     self._pending.remove(handle)
                     raise
                 # earlier pieces are queued: fail the step through its last piece
-                self._queue.put(_Job(step, saveplan.SavePlan(plan.arrays, []), tree, {}, None, handle,
-                                     error=e))
+                self._queue.put(_Job(step, replace(plan, writes=[]), tree, {}, None, handle, error=e))
                 raise
-            sub = saveplan.SavePlan(plan.arrays, [w for w in plan.writes if w.source in piece], plan.layout, plan.mesh)
+            sub = replace(plan, writes=[w for w in plan.writes if w.source in piece])
             self._queue.put(_Job(step, sub, tree, staged, slot, handle, last_piece=i == len(pieces) - 1,
                                  plan_key=id(plan)))
         handle.staged_s = time.perf_counter() - t0
@@ -281,15 +313,88 @@ class CheckpointManager:
         return out
 
     def _plan(self, tensors: dict[str, torch.Tensor]) -> saveplan.SavePlan:
-        key = tuple((n, tuple(t.shape), t.dtype) for n, t in tensors.items())
-        plan = self._plans.get(key)
-        if plan is None:
-            if self.world == 1:
-                plan = saveplan.single(tensors, self._compression)
+        key: Any = tuple((n, tuple(t.shape), t.dtype) for n, t in tensors.items())
+        if self.layout is None and not self._dtensor:
+            plan = self._plans.get(key)
+            if plan is None:
+                if self.world == 1:
+                    plan = saveplan.single(tensors, self._compression)
+                else:
+                    plan = saveplan.replicated(tensors, self.rank, self.world, self._compression)
+                self._plans = {key: plan}  # one cached plan: the state's shapes rarely change
+            return plan
+        layout, mesh, mesh_rank = self._source()
+        key = (key, self._dtensor_key)
+        hit = key in self._plans
+        if self._dist.group is not None:  # every rank plans again if any rank's shapes changed
+            hit = all(self._dist.allgather(hit))
+        if not hit:
+            self._plans = {key: self._plan_layout(tensors, layout, mesh, mesh_rank)}
+        return self._plans[key]
+
+    def _source(self) -> tuple[Any, Any, int]:
+        """(layout, mesh, this process's rank in the mesh) of the state being saved."""
+        if self._dtensor:
+            return self._dtensor_layouts[self._dtensor_key]
+        return self.layout, self.mesh, self.rank
+
+    def _plan_layout(self, tensors: dict[str, torch.Tensor], layout: Any, mesh: Any, mesh_rank: int) -> saveplan.SavePlan:
+        """Plan a layout save on every rank: allgather the local shapes, plan each rank (errors caught),
+        gather the plans to the coordinator, which merges and checks them (every chunk written exactly
+        once, every statement matched); every rank then learns the verdict. Nothing is written before."""
+        from ucl.layout import SavePlan as RankPlan
+        from ucl.layout import merge_plans
+
+        local = saveplan.local_shapes(tensors)
+        all_local = self._dist.allgather(local)
+        rank_plan = None
+        payload: dict[str, Any]
+        try:
+            rank_plan = saveplan.plan_rank(layout, mesh, mesh_rank, local, all_local)
+            payload = {"plan": rank_plan.to_dict()}
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            payload = {"error": _error_dict(e, self.rank)}
+        payloads = self._dist.gather(payload)
+        verdict: dict[str, Any] = {"ok": True}
+        merged = None
+        if self.rank == 0:
+            errors = [p["error"] for p in payloads if "error" in p]
+            if errors:
+                verdict = {"ok": False, "error": errors[0]}
             else:
-                plan = saveplan.replicated(tensors, self.rank, self.world, self._compression)
-            self._plans = {key: plan}  # one cached plan: the state's shapes rarely change
-        return plan
+                try:
+                    merged = merge_plans([RankPlan.from_dict(p["plan"]) for p in payloads])
+                except Exception as e:  # noqa: BLE001
+                    verdict = {"ok": False, "error": _error_dict(e, None)}
+        verdict = self._dist.broadcast(verdict)
+        if not verdict["ok"]:
+            raise _error_from(verdict["error"])
+        assert rank_plan is not None
+        return saveplan.from_layout(rank_plan, merged, self._compression)
+
+    _dtensor_key: Any = None
+
+    def _dtensor_locals(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The local shards of a DTensor state (its layout derived from the placements, cached)."""
+        from torch.distributed.tensor import DTensor
+
+        from ucl.layout import Layout, Mesh, layout_from_dtensors, mesh_rank
+
+        key = tuple((n, tuple(t.shape), tuple(t.placements), t.device_mesh) if isinstance(t, DTensor)
+                    else (n, tuple(t.shape)) for n, t in tensors.items())
+        if key not in self._dtensor_layouts:
+            dts = {n: t for n, t in tensors.items() if isinstance(t, DTensor)}
+            if dts:
+                layout = layout_from_dtensors(dts)
+                from ucl.layout import as_mesh
+
+                mesh = as_mesh(None, layout, self.world)
+                rank = mesh_rank(next(iter(dts.values())).device_mesh)
+            else:  # no DTensor: every tensor replicated
+                layout, mesh, rank = Layout(), Mesh((("dp", self.world),)), self.rank
+            self._dtensor_layouts = {key: (layout, mesh, rank)}
+        self._dtensor_key = key
+        return {n: t.to_local() if isinstance(t, DTensor) else t for n, t in tensors.items()}
 
     def _pieces(self, plan: saveplan.SavePlan, tensors: dict[str, torch.Tensor]) -> list[list[str]]:
         sources = [s for s in tensors if s in plan.sources]
@@ -509,7 +614,10 @@ class CheckpointManager:
                         parent = self._base.step  # type: ignore[union-attr]
                         changed = {n for r in reports for n in r["changed"]}
                         arrays = {n: self._delta_array(a, n in changed, parent) for n, a in arrays.items()}
-                    meta = StepMeta(step=job.step, kind=job.kind, parent=parent, tree=job.tree, arrays=arrays,
+                    tree = job.tree
+                    if job.plan.layout is not None:  # the logical tensors in the coordinator's structure
+                        tree = saveplan.graft(job.tree, job.plan.logical)
+                    meta = StepMeta(step=job.step, kind=job.kind, parent=parent, tree=tree, arrays=arrays,
                                     layout=job.plan.layout, mesh=job.plan.mesh)
                     record = StepWriter(self.repo, job.step).commit(meta, merged)
                     self._retain(job.step)
@@ -550,9 +658,17 @@ class CheckpointManager:
         return self.repo.latest()
 
     def restore(self, step: int | None = None) -> Any:
-        """The state dict of ``step`` (default: the latest committed), as it was saved."""
+        """The state dict of ``step`` (default: the latest committed), as it was saved.
+
+        With a layout: this rank's local state under the manager's layout and mesh (from a step saved
+        under any layout), its tensors at their local names and the step's JSON values kept.
+        """
         from ucl.reader import load
 
+        if self.layout is not None:
+            from ucl.reshard import load as reshard_load
+
+            return reshard_load(self.repo.store, step, layout=self.layout, mesh=self.mesh, rank=self.rank)
         return load(self.repo.store, step)
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -612,13 +728,26 @@ class _null:
 
 def _block(w: saveplan.LocalWrite, staged: torch.Tensor) -> torch.Tensor:
     if w.box is not None:
-        start, shape = w.box
-        return staged[tuple(slice(a, a + n) for a, n in zip(start, shape, strict=True))]
+        return saveplan.block_of(w, staged)
     meta = w.array
     if tuple(staged.shape) == meta.shape:  # a whole logical tensor: take this shard's part
         idx = tuple(slice(c * s, min((c + 1) * s, n)) for c, s, n in zip(w.coords, meta.chunk_shape, meta.shape, strict=True))
         return staged[idx]
     return staged
+
+
+def _error_dict(e: BaseException, rank: int | None) -> dict[str, Any]:
+    where = f"rank {rank}: " if rank is not None else ""
+    if isinstance(e, UCLError):
+        return {"code": e.code, "message": where + e.message, "tensor": e.tensor}
+    return {"code": "invalid_argument", "message": where + _describe(e), "tensor": None}
+
+
+def _error_from(d: dict[str, Any]) -> UCLError:
+    from ucl.errors import ALL_CODES
+
+    cls = ALL_CODES.get(d["code"], UCLError)
+    return cls(d["message"], tensor=d.get("tensor"))
 
 
 def _describe(e: BaseException) -> str:
@@ -706,6 +835,15 @@ class _Dist:
         out: list[Any] = [None] * self.world if self.rank == 0 else []
         dist.gather_object(obj, out if self.rank == 0 else None, dst=dist.get_global_rank(self.group, 0),
                            group=self.group)
+        return out
+
+    def allgather(self, obj: Any) -> list[Any]:
+        if self.group is None:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def broadcast(self, obj: Any) -> Any:

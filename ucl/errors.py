@@ -217,3 +217,7 @@ class LayoutShapeError(LayoutError):
     """A tensor that does not fit its rule: a shape not dividing as declared, a layer outside its stage."""
 
     code = "layout_shape_mismatch"
+
+
+ALL_CODES.update({cls.code: cls for cls in [LayoutSyntaxError, InvalidLayoutError, MeshMismatchError,
+                                             UnmatchedPatternError, OverlappingRulesError, LayoutShapeError]})

@@ -89,6 +89,22 @@ def check_schema(doc: Any, schema: str, what: str) -> None:
         raise SchemaError(f"{what} does not match {schema}.schema.json at {where}: {msg}", file=what)
 
 
+@cache
+def _logical_validator() -> Any:
+    base = _validator("layout")
+    return base.evolve(schema={"$ref": base.schema["$id"] + "#/$defs/logical_record"})
+
+
+def check_logical(rec: Any, what: str, tensor: str | None = None) -> None:
+    """Raise SchemaError unless ``rec`` is a logical record (spec/layout.md §6.3, layout.schema.json)."""
+    err = next(iter(sorted(_logical_validator().iter_errors(rec), key=lambda e: list(e.absolute_path))), None)
+    if err is not None:
+        where = "/".join(str(p) for p in err.absolute_path) or "(root)"
+        msg = err.message if len(err.message) < 300 else err.message[:300] + "..."
+        raise SchemaError(f"{what}: the logical record does not match layout.schema.json at {where}: {msg}",
+                          tensor=tensor, file=what)
+
+
 def check_extensions(exts: list[dict[str, Any]], what: str) -> None:
     for ext in exts:
         if ext["name"] not in KNOWN_EXTENSIONS and ext.get("must_understand", True):
@@ -274,8 +290,11 @@ class ArrayMeta:
                                       "[-131072, 22] and a boolean checksum", tensor=name, file=what)
         if [_strip(c) for c in shard["index_codecs"]] != [_BYTES_LE, _CRC]:
             raise SchemaError(f"{what}: index codecs must be [bytes little-endian, crc32c]", tensor=name, file=what)
+        logical = attrs.get("logical")
+        if logical:
+            check_logical(logical, what, name)
         return cls(name=name, shape=shape, dtype=dtype, chunk_shape=chunk, inner_chunk_shape=inner,
-                   compression=compression, delta=delta, logical=attrs.get("logical"))
+                   compression=compression, delta=delta, logical=logical)
 
 
 def _strip(codec: dict[str, Any]) -> dict[str, Any]:
@@ -331,8 +350,12 @@ class StepMeta:
                     raise InconsistentMetadataError(f"{what}: array at {key!r} names itself {meta.name!r}", tensor=meta.name, file=what)
                 arrays[meta.name] = meta
         referenced = set(names.iter_tree_tensors(ucl["tree"], what))
-        if not referenced <= set(arrays):
-            missing = sorted(referenced - set(arrays))[0]
+        known = set(arrays)
+        for a in arrays.values():  # a layout step's tree names logical tensors (spec/layout.md §6.3)
+            if a.logical and isinstance(a.logical.get("tensors"), dict):
+                known.update(a.logical["tensors"])
+        if not referenced <= known:
+            missing = sorted(referenced - known)[0]
             raise InconsistentMetadataError(f"{what}: the structure tree names tensor {missing!r}, which has no array", tensor=missing, file=what)
         if ucl["kind"] == "delta" and ucl.get("parent") is None:
             raise InconsistentMetadataError(f"{what}: a delta step must name its parent", file=what)

@@ -1,4 +1,10 @@
-"""Opening a committed step and reading it lazily: ``ucl.open(path)[name][rows]``."""
+"""Opening a committed step and reading it lazily: ``ucl.open(path)[name][rows]``.
+
+A step saved under a layout (spec/layout.md) stores what the ranks held; its tensors as this module
+presents them are the *logical* tensors (the whole parameter, optimizer state, ...), rebuilt on demand
+from the stored boxes that hold them (:class:`LogicalTensor`). ``Checkpoint.array(name)`` reads a stored
+array as it is.
+"""
 
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from ucl.repo import Repository
 from ucl.storage import Store
 
 READ_THREADS = 4
+FILL_BUFFER_BYTES = 64 << 20  # temporaries + decode scratch of one batch of box reads (the memory bound)
 
 
 class LazyTensor:
@@ -35,58 +42,90 @@ class LazyTensor:
     those elements as a new ``torch.Tensor`` (basic indexing: ints, slices of any step, Ellipsis).
     """
 
-    def __init__(self, ckpt: Checkpoint, meta: ArrayMeta) -> None:
+    def __init__(self, ckpt: Checkpoint, meta: ArrayMeta | None) -> None:
         self._ckpt = ckpt
-        self.meta = meta
+        self.meta = meta  # the stored array (None for a LogicalTensor: its elements span stored boxes)
+        if meta is not None:
+            self._name, self._shape, self._spec_dtype = meta.name, tuple(meta.shape), meta.dtype
 
     @property
     def name(self) -> str:
-        return self.meta.name
+        return self._name
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size(self.meta.shape)
+        return torch.Size(self._shape)
 
     @property
     def dtype(self) -> torch.dtype:
-        return dtypes.to_torch(self.meta.dtype)
+        return dtypes.to_torch(self._spec_dtype)
 
     @property
     def nbytes(self) -> int:
-        return self.meta.nbytes
+        return math.prod(self._shape) * dtypes.itemsize(self._spec_dtype)
 
     def __len__(self) -> int:
-        if not self.meta.shape:
+        if not self._shape:
             raise TypeError("len() of a 0-d tensor")
-        return self.meta.shape[0]
+        return self._shape[0]
 
     def __repr__(self) -> str:
-        return f"LazyTensor({self.name!r}, shape={list(self.meta.shape)}, dtype={self.dtype})"
+        return f"{type(self).__name__}({self.name!r}, shape={list(self._shape)}, dtype={self.dtype})"
 
     def read(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The whole tensor (into ``out`` when given: a contiguous CPU tensor of the same shape and dtype)."""
-        return self.read_box((0,) * len(self.meta.shape), self.meta.shape, out)
+        return self.read_box((0,) * len(self._shape), self._shape, out)
+
+    def _check_bounds(self, start: tuple[int, ...], shape: tuple[int, ...]) -> None:
+        if len(start) != len(self._shape) or len(shape) != len(start) or any(
+                a < 0 or n < 0 or a + n > s for a, n, s in zip(start, shape, self._shape, strict=True)):
+            raise InvalidArgumentError(f"box start={list(start)} shape={list(shape)} is outside tensor {self.name!r} "
+                                       f"of shape {list(self._shape)}", tensor=self.name)
+
+    def _out(self, shape: tuple[int, ...], out: torch.Tensor | None) -> torch.Tensor:
+        if out is None:
+            return _alloc(self.name, self._spec_dtype, shape)
+        if tuple(out.shape) != shape or out.dtype != self.dtype or not out.is_contiguous() or out.device.type != "cpu":
+            raise InvalidArgumentError(f"out must be a contiguous CPU {self.dtype} tensor of shape {list(shape)}",
+                                       tensor=self.name)
+        return out
 
     def read_box(self, start: tuple[int, ...], shape: tuple[int, ...], out: torch.Tensor | None = None) -> torch.Tensor:
         """Elements ``[start, start + shape)`` as a tensor of ``shape``."""
         start, shape = tuple(start), tuple(shape)
-        if len(start) != len(self.meta.shape) or len(shape) != len(start) or any(
-                a < 0 or n < 0 or a + n > s for a, n, s in zip(start, shape, self.meta.shape, strict=True)):
-            raise InvalidArgumentError(f"box start={list(start)} shape={list(shape)} is outside tensor {self.name!r} "
-                                       f"of shape {list(self.meta.shape)}", tensor=self.name)
+        assert self.meta is not None
+        self._check_bounds(start, shape)
         self._ckpt._check_listed(self.meta, start, shape)
-        if out is None:
-            out = _empty(self.meta, shape)
-        elif tuple(out.shape) != shape or out.dtype != self.dtype or not out.is_contiguous() or out.device.type != "cpu":
-            raise InvalidArgumentError(f"out must be a contiguous CPU {self.dtype} tensor of shape {list(shape)}",
-                                       tensor=self.name)
+        out = self._out(shape, out)
         self._ckpt._read([Request(self.meta, start, shape, out)])
         return out
 
     def __getitem__(self, key: Any) -> torch.Tensor:
-        start, shape, post = _normalize_index(key, self.meta.shape, self.name)
+        start, shape, post = _normalize_index(key, self._shape, self.name)
         t = self.read_box(start, shape)
         return t[post] if post else t
+
+
+class LogicalTensor(LazyTensor):
+    """A logical tensor of a step saved under a layout: indexing reads only the stored boxes (and, in them,
+    the inner chunks) that hold the elements asked for (spec/layout.md §6.4). Partial tensors read as the
+    sum of their contributions. ``meta`` is None: the elements may span several stored arrays."""
+
+    def __init__(self, ckpt: Checkpoint, name: str, shape: tuple[int, ...], dtype: str) -> None:
+        super().__init__(ckpt, None)
+        self._name, self._shape, self._spec_dtype = name, tuple(shape), dtype
+
+    def read_box(self, start: tuple[int, ...], shape: tuple[int, ...], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements ``[start, start + shape)`` as a tensor of ``shape``."""
+        start, shape = tuple(start), tuple(shape)
+        self._check_bounds(start, shape)
+        out = self._out(shape, out)
+        if not all(shape):
+            return out
+        parts = self._ckpt._logical().read_parts(self.name, (start, shape), sum_partial=True)
+        arrays = self._ckpt.meta.arrays
+        self._ckpt._fill([_Op(arrays[a], sbox, out, None, rbox, k > 0) for a, sbox, rbox, k in parts])
+        return out
 
 
 def _normalize_index(key: Any, shape: tuple[int, ...], name: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[Any, ...]]:
@@ -154,26 +193,82 @@ class Checkpoint:
         self._chain_steps: dict[int, tuple[StepMeta, StepFiles]] = {step: (meta, self._files)}
         self._chain: Any = None
         self._lock = threading.Lock()
+        self._index: Any = None
+        self._plans: dict[Any, Any] = {}  # load plans by target (ucl.reshard)
+        self.layout_step = meta.layout is not None or any(a.logical for a in meta.arrays.values())
 
     # -- mapping-like ------------------------------------------------------------------------------
     def keys(self) -> list[str]:
-        """Tensor names, in the order they were saved."""
+        """Tensor names: in the order they were saved; for a step saved under a layout, the logical
+        tensors (sorted by name)."""
+        if self.layout_step:
+            return list(self._logical().tensors)
         return list(self.meta.arrays)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.keys())
 
     def __len__(self) -> int:
-        return len(self.meta.arrays)
+        return len(self._logical().tensors) if self.layout_step else len(self.meta.arrays)
 
     def __contains__(self, name: object) -> bool:
+        if self.layout_step:
+            return name in self._logical().tensors
         return name in self.meta.arrays
 
     def __getitem__(self, name: str) -> LazyTensor:
+        """The tensor ``name``: a :class:`LazyTensor` of its stored array or, for a logical tensor of a
+        layout step stored otherwise (blocks, fused parts, flat fragments, partial sums), a
+        :class:`LogicalTensor`."""
+        if self.layout_step:
+            info = self._logical().tensors.get(name)
+            if info is None:
+                raise TensorNotFoundError(f"step {self.step} has no tensor {name!r}", tensor=name)
+            meta = self.meta.arrays.get(name)
+            if meta is not None and not meta.logical:
+                return LazyTensor(self, meta)
+            return LogicalTensor(self, name, info[0], info[1])
         meta = self.meta.arrays.get(name)
         if meta is None:
             raise TensorNotFoundError(f"step {self.step} has no tensor {name!r}", tensor=name)
         return LazyTensor(self, meta)
+
+    def array(self, name: str) -> LazyTensor:
+        """The stored array ``name`` as it is (for a layout step: what the ranks wrote, e.g. the flat
+        buffer ``optim/flat/exp_avg.pp0``, or a fused tensor's blocks in rank order)."""
+        meta = self.meta.arrays.get(name)
+        if meta is None:
+            raise TensorNotFoundError(f"step {self.step} has no array {name!r}", tensor=name)
+        return LazyTensor(self, meta)
+
+    @property
+    def layout(self) -> Any:
+        """The source layout (a :class:`ucl.layout.Layout`) the step was saved under, or None."""
+        if self.meta.layout is None:
+            return None
+        from ucl.layout import Layout
+
+        return Layout.from_dict(self.meta.layout)
+
+    @property
+    def mesh(self) -> Any:
+        """The source mesh (a :class:`ucl.layout.Mesh`), or None."""
+        if self.meta.mesh is None:
+            return None
+        from ucl.layout import Mesh
+
+        return Mesh.from_dict(self.meta.mesh)
+
+    def _logical(self) -> Any:
+        """The step's :class:`ucl.layout.LogicalIndex` (built once)."""
+        if self._index is None:
+            from ucl.layout import LogicalIndex
+            from ucl.saveplan import spec_for_meta
+
+            with self._lock:
+                if self._index is None:
+                    self._index = LogicalIndex({n: spec_for_meta(m) for n, m in self.meta.arrays.items()})
+        return self._index
 
     @property
     def kind(self) -> str:
@@ -230,24 +325,84 @@ class Checkpoint:
         """Every tensor of the step, read concurrently.
 
         Returns the state dict as it was saved (nested dicts and lists rebuilt, JSON leaves restored), or
-        a flat ``{name: tensor}`` dict with ``flat=True``.
+        a flat ``{name: tensor}`` dict with ``flat=True``. For a step saved under a layout: the logical
+        state, i.e. every logical tensor whole at the place its name says ("model/layers.3.w" is
+        ``state["model"]["layers.3.w"]``) beside the JSON values of the coordinator's (rank 0's) state;
+        ranks' local tensors such as flat optimizer buffers do not appear (their members do).
         """
-        for m in self.meta.arrays.values():
-            self._check_listed(m, (0,) * len(m.shape), m.shape)
-        out = {n: _empty(m, m.shape) for n, m in self.meta.arrays.items()}
+        if self.layout_step:
+            info = self._logical().tensors
+            out = {n: _alloc(n, d, s) for n, (s, d) in info.items()}
+        else:
+            for m in self.meta.arrays.values():
+                self._check_listed(m, (0,) * len(m.shape), m.shape)
+            out = {n: _empty(m, m.shape) for n, m in self.meta.arrays.items()}
         self.load_into(out)
         return out if flat else names.unflatten(self.meta.tree, out)
 
     def load_into(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Fill existing contiguous CPU tensors in place (no fresh allocations), by flat name."""
+        """Fill existing contiguous CPU tensors in place (no fresh allocations), by flat (logical) name."""
         reqs = []
+        ops: list[_Op] = []
         for n, t in tensors.items():
             lt = self[n]
-            if tuple(t.shape) != lt.meta.shape or t.dtype != lt.dtype or not t.is_contiguous() or t.device.type != "cpu":
+            if tuple(t.shape) != tuple(lt.shape) or t.dtype != lt.dtype or not t.is_contiguous() or t.device.type != "cpu":
                 raise InvalidArgumentError(f"destination for {n!r} must be a contiguous CPU {lt.dtype} tensor of shape "
-                                           f"{list(lt.meta.shape)}, got {t.dtype} {list(t.shape)}", tensor=n)
-            reqs.append(Request(lt.meta, (0,) * len(lt.meta.shape), lt.meta.shape, t))
-        self._read(reqs)
+                                           f"{list(lt.shape)}, got {t.dtype} {list(t.shape)}", tensor=n)
+            if lt.meta is not None:
+                reqs.append(Request(lt.meta, (0,) * len(lt.meta.shape), lt.meta.shape, t))
+            elif t.numel():
+                full = ((0,) * t.dim(), tuple(t.shape))
+                arrays = self.meta.arrays
+                ops += [_Op(arrays[a], sbox, t, None, rbox, k > 0)
+                        for a, sbox, rbox, k in self._logical().read_parts(n, full, sum_partial=True)]
+        if reqs:
+            self._read(reqs)
+        if ops:
+            self._fill(ops)
+
+    def _fill(self, ops: list[_Op], buffer_bytes: int | None = None) -> None:
+        """Copy stored boxes into destination boxes (spec/layout.md copy rule: row-major order to row-major
+        order), read concurrently in batches. A box that is one contiguous run of its destination is read
+        straight into it; others (and partial sums) go through a temporary. Each batch holds at most
+        ``buffer_bytes`` (default FILL_BUFFER_BYTES) of temporaries and estimated decode scratch; larger
+        boxes are split. Ops are applied in order (a partial sum's contribution 0 before the others)."""
+        budget = FILL_BUFFER_BYTES if buffer_bytes is None else max(1, buffer_bytes)
+        batch: list[Request] = []
+        post: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
+        cost = 0
+
+        def flush() -> None:
+            nonlocal cost
+            if batch:
+                self._read(batch)
+            with torch.no_grad():
+                for dst, tmp, add in post:
+                    src = tmp.view(dst.shape)
+                    if add:
+                        dst.add_(src.to(dst.device))
+                    else:
+                        dst.copy_(src)
+            batch.clear()
+            post.clear()
+            cost = 0
+
+        for op in ops:
+            for sub in op.split(budget):
+                dst = sub.destination()
+                direct = (not sub.add and dst.device.type == "cpu" and dst.is_contiguous()
+                          and dst.dtype == dtypes.to_torch(sub.meta.dtype))
+                c = sub.scratch_bytes() + (0 if direct else sub.nbytes)
+                if batch and cost + c > budget:
+                    flush()
+                cost += c
+                if direct:
+                    batch.append(Request(sub.meta, sub.start, sub.shape, dst.view(sub.shape)))
+                else:
+                    tmp = _alloc(sub.meta.name, sub.meta.dtype, sub.shape)
+                    batch.append(Request(sub.meta, sub.start, sub.shape, tmp))
+                    post.append((dst, tmp, sub.add))
+        flush()
 
     def close(self) -> None:
         if self._pool is not None:
@@ -267,11 +422,126 @@ class Checkpoint:
 
 
 def _empty(meta: ArrayMeta, shape: tuple[int, ...]) -> torch.Tensor:
+    return _alloc(meta.name, meta.dtype, shape)
+
+
+def _alloc(name: str, dtype: str, shape: tuple[int, ...], zero: bool = False) -> torch.Tensor:
     try:
-        return torch.empty(shape, dtype=dtypes.to_torch(meta.dtype))
+        return (torch.zeros if zero else torch.empty)(shape, dtype=dtypes.to_torch(dtype))
     except (RuntimeError, MemoryError):  # the shape was checked against the spec's limits, not this machine's
-        raise LimitExceededError(f"cannot allocate {math.prod(shape) * meta.itemsize} bytes for tensor {meta.name!r}",
-                                 tensor=meta.name) from None
+        raise LimitExceededError(f"cannot allocate {math.prod(shape) * dtypes.itemsize(dtype)} bytes for tensor "
+                                 f"{name!r}", tensor=name) from None
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+class _Op:
+    """Copy stored box (``start``, ``shape``) of array ``meta`` into ``box`` of ``dest`` (of the view
+    (offset, shape) of its flat elements when ``view`` is set); add instead of copying when ``add``.
+    The box and the stored box have the same number of elements; shapes differ only by a flat run
+    (a 1-D stored box) or leading 1s."""
+
+    __slots__ = ("meta", "start", "shape", "dest", "view", "box", "add")
+
+    def __init__(self, meta: ArrayMeta, stored: Box, dest: torch.Tensor, view: tuple[int, tuple[int, ...]] | None,
+                 box: Box, add: bool = False) -> None:
+        self.meta = meta
+        self.start, self.shape = tuple(stored[0]), tuple(stored[1])
+        self.dest, self.view = dest, view
+        self.box = (tuple(box[0]), tuple(box[1]))
+        self.add = add
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.meta.itemsize
+
+    def destination(self) -> torch.Tensor:
+        t = self.dest
+        if self.view is not None:
+            off, vshape = self.view
+            t = t.reshape(-1)[off : off + math.prod(vshape)].view(vshape)
+        return t[tuple(slice(a, a + n) for a, n in zip(self.box[0], self.box[1], strict=True))]
+
+    def scratch_bytes(self) -> int:
+        """An upper bound on the decode scratch the read allocates: inner chunks it reads that are not
+        one contiguous run of the request (none when it is aligned to row slabs of whole inner chunks)."""
+        meta = self.meta
+        if not self.shape or not all(self.shape):
+            return 0
+        inner = meta.inner_chunk_shape
+        touched = math.prod(-(-(a + n) // i) - a // i for a, n, i in zip(self.start, self.shape, inner, strict=True))
+        if meta.compression is not None or meta.delta is not None:
+            return touched * meta.inner_nbytes
+        if any(a % i or (a + n) % i for a, n, i in zip(self.start, self.shape, inner, strict=True)):
+            return touched * meta.inner_nbytes  # partial (or clipped) inner chunks
+        k = max((d for d, (i, n) in enumerate(zip(inner, self.shape, strict=True)) if i < n), default=-1)
+        if all(i == 1 for i in inner[:max(k, 0)]) and all(i == n for i, n in zip(inner[k + 1:], self.shape[k + 1:],
+                                                                                  strict=True)):
+            return 0  # every inner chunk is whole and one contiguous run of the request
+        return touched * meta.inner_nbytes
+
+    def split(self, budget: int) -> list[_Op]:
+        """This op as ops each within ``budget`` bytes (temporary + scratch), split along the first
+        dimension of the stored box that is longer than 1, in row-major order."""
+        cost = self.nbytes + self.scratch_bytes()
+        if cost <= budget or math.prod(self.shape) <= 1:
+            return [self]
+        flat_run = len(self.shape) != len(self.box[1]) or self.shape != self.box[1]
+        if flat_run and len(self.shape) == 1:  # a flat run: split the run and its box in row-major order
+            return self._split_run(budget)
+        d = next(i for i, n in enumerate(self.shape) if n > 1)
+        n = self.shape[d]
+        per = max(1, n * budget // max(cost, 1))
+        out: list[_Op] = []
+        lead = len(self.box[1]) - len(self.shape)  # the local box may have extra leading 1s, or fewer
+        for a in range(0, n, per):
+            k = min(per, n - a)
+            st = list(self.start)
+            sh = list(self.shape)
+            st[d] += a
+            sh[d] = k
+            bs, bn = list(self.box[0]), list(self.box[1])
+            bd = d + lead
+            if 0 <= bd < len(bn) and bn[bd] == n:
+                bs[bd] += a
+                bn[bd] = k
+            else:  # shapes differ by leading 1s only: the stored leading dim of size n is the box's first >1 dim
+                j = next(i for i, m in enumerate(bn) if m > 1)
+                bs[j] += a
+                bn[j] = k
+            sub = _Op(self.meta, (tuple(st), tuple(sh)), self.dest, self.view, (tuple(bs), tuple(bn)), self.add)
+            out += sub.split(budget) if k > 1 and sub.nbytes + sub.scratch_bytes() > budget else [sub]
+        return out
+
+    def _split_run(self, budget: int) -> list[_Op]:
+        from ucl.layout.boxes import ravel
+
+        out: list[_Op] = []
+        per = max(1, budget // max(1, self.meta.itemsize * 2))
+        for rel_start, shape in _row_major_pieces(self.box[1], per):
+            first = ravel(self.box[1], rel_start)
+            box = (tuple(a + b for a, b in zip(self.box[0], rel_start, strict=True)), shape)
+            out.append(_Op(self.meta, ((self.start[0] + first,), (math.prod(shape),)), self.dest, self.view, box,
+                           self.add))
+        return out
+
+
+def _row_major_pieces(shape: tuple[int, ...], limit: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Sub-boxes (relative start, shape) of a box of ``shape`` that tile it in row-major order, each a
+    contiguous run of at most ``limit`` elements where possible (at least one row of the last dim)."""
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    if inner <= limit or len(shape) == 1:
+        per = max(1, limit // max(1, inner))
+        return [((a, *(0,) * (len(shape) - 1)), (min(per, shape[0] - a), *shape[1:]))
+                for a in range(0, shape[0], per)]
+    out = []
+    for a in range(shape[0]):
+        for rs, rn in _row_major_pieces(shape[1:], limit):
+            out.append(((a, *rs), (1, *rn)))
+    return out
 
 
 def open(path: str | os.PathLike[str] | Store, step: int | None = None, *,  # noqa: A001

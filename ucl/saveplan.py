@@ -5,38 +5,56 @@ Three sources of a plan, one shape of result (:class:`SavePlan`):
 - one process: every tensor whole, one shard each;
 - data-parallel replicas (every rank holds the same tensors): each tensor written by exactly one rank,
   assigned greedily by size so that the bytes are balanced across ranks;
-- a layout (spec/layout.md): ``ucl.layout.plan_save`` says which blocks this rank holds.
+- a layout (spec/layout.md): ``ucl.layout.plan_save`` says which blocks this rank holds
+  (:func:`plan_rank`, then :func:`from_layout` once the coordinator has merged the plans of all ranks).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ucl import dtypes, names
 from ucl.metadata import ArrayMeta
+from ucl.shard import choose_inner_chunk
 from ucl.writer import all_shards, array_for
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
+# Inner chunks of an array split over a trailing dimension (a column-parallel shard) are split along that
+# dimension too, into up to COLUMN_SPLIT pieces of at least MIN_RUN_BYTES per row, so that a reader with
+# another split of that dimension (2x, 4x, 8x finer or coarser) reads whole inner chunks only.
+COLUMN_SPLIT = 8
+MIN_RUN_BYTES = 512
+
 
 @dataclass(frozen=True)
 class LocalWrite:
-    """One shard this rank writes: the array, the shard's grid coordinates, and its source tensor."""
+    """One shard this rank writes: the array, the shard's grid coordinates, and its source tensor.
+
+    ``box`` is the part of the local tensor written (None: the whole of it, or the shard's part of a
+    whole logical tensor). ``stored_box`` is where those values go inside the shard's region, relative to
+    its origin (None: the whole region); the rest of the region is zero. The values of ``box`` in
+    row-major order fill ``stored_box`` in row-major order (their shapes differ only by leading 1s).
+    """
 
     array: ArrayMeta
     coords: tuple[int, ...]
     source: str  # flat name of the rank's local tensor
-    box: Box | None = None  # part of the local tensor (None: the whole of it, or the shard's part of a whole tensor)
+    box: Box | None = None
+    stored_box: Box | None = None
 
 
 @dataclass(frozen=True)
 class SavePlan:
-    arrays: dict[str, ArrayMeta]  # every array of the step (the same on every rank)
+    arrays: dict[str, ArrayMeta]  # every array of the step (the coordinator's; a layout rank: its own)
     writes: list[LocalWrite]  # what this rank writes
-    layout: dict[str, Any] | None = None
+    layout: dict[str, Any] | None = None  # canonical JSON of the source layout
     mesh: dict[str, Any] | None = None
+    logical: tuple[str, ...] = field(default=())  # a layout step's logical tensor names (the coordinator's)
 
     @property
     def sources(self) -> set[str]:
@@ -60,3 +78,180 @@ def replicated(tensors: dict[str, torch.Tensor], rank: int, world: int,
         load[r] += max(arrays[n].nbytes, 1)
     writes = [LocalWrite(a, c, n) for n, a in arrays.items() if owner[n] == rank for c in all_shards(a)]
     return SavePlan(arrays, writes)
+
+
+# -- layouts ---------------------------------------------------------------------------------------
+def local_shapes(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """What the planner needs of a rank's state (small, JSON-able: it is allgathered)."""
+    return {n: (tuple(t.shape), dtypes.from_torch(t.dtype)) for n, t in tensors.items()}
+
+
+def plan_rank(layout: Any, mesh: Any, rank: int, local: Mapping[str, tuple[tuple[int, ...], str]],
+              all_local: Sequence[Mapping[str, tuple[tuple[int, ...], str]]] | None = None) -> Any:
+    """``ucl.layout.plan_save`` for one rank, the logical shapes of uneven splits inferred from the local
+    shapes of every rank (``all_local``, by rank) when given. Raises the layout's errors (nothing written)."""
+    from ucl.layout import infer_shapes, plan_save
+
+    shapes = infer_shapes(layout, mesh, list(all_local)) if all_local is not None else None
+    return plan_save(layout, mesh, rank, local, shapes=shapes)
+
+
+def inner_chunk_for(spec: Any) -> tuple[int, ...]:
+    """The inner chunk of a layout array: :func:`ucl.shard.choose_inner_chunk` of its chunk (the rank's
+    block), after splitting any trailing dimension that the chunk grid splits (a column shard) into up to
+    COLUMN_SPLIT pieces, so that other column splits read whole inner chunks."""
+    block = tuple(max(1, c) for c in spec.chunk_shape)
+    itemsize = dtypes.itemsize(spec.dtype)
+    pre = list(block)
+    grid = spec.grid
+    lead = 1 if spec.logical and spec.logical.get("partial") else 0
+    for d in range(lead + 1, len(block)):
+        if grid[d] <= 1:
+            continue
+        for k in range(COLUMN_SPLIT, 1, -1):
+            if block[d] % k == 0 and block[d] // k * itemsize >= MIN_RUN_BYTES:
+                pre[d] = block[d] // k
+                break
+    return choose_inner_chunk(tuple(pre), itemsize)
+
+
+def meta_for_spec(spec: Any, compression: dict[str, Any] | None = None) -> ArrayMeta:
+    """The stored-array metadata of a layout array (``ucl.layout.ArraySpec``)."""
+    return ArrayMeta(name=names.check_name(spec.name), shape=tuple(spec.shape), dtype=spec.dtype,
+                     chunk_shape=tuple(max(1, c) for c in spec.chunk_shape),
+                     inner_chunk_shape=inner_chunk_for(spec), compression=compression,
+                     logical=dict(spec.logical) if spec.logical else None)
+
+
+def spec_for_meta(meta: ArrayMeta) -> Any:
+    """The ``ucl.layout.ArraySpec`` of a stored array (its logical record; ``{}`` for a plain array)."""
+    from ucl.layout import ArraySpec
+
+    return ArraySpec(meta.name, tuple(meta.shape), meta.dtype, tuple(meta.chunk_shape), dict(meta.logical or {}))
+
+
+def from_layout(rank_plan: Any, arrays: Mapping[str, Any] | None = None,
+                compression: dict[str, Any] | None = None) -> SavePlan:
+    """The engine's plan from a rank's ``ucl.layout.SavePlan``.
+
+    ``arrays``: the merged arrays of every rank (``ucl.layout.merge_plans``; the coordinator records
+    them); None keeps the rank's own arrays (enough to write its chunks).
+    """
+    from ucl.layout import logical_tensors
+
+    specs = dict(arrays if arrays is not None else rank_plan.arrays)
+    metas = {n: meta_for_spec(s, compression) for n, s in specs.items()}
+    writes = []
+    for w in rank_plan.writes:
+        meta = metas[w.array.name]
+        origin = tuple(i * c for i, c in zip(w.chunk_index, meta.chunk_shape, strict=True))
+        region = tuple(min(c, n - o) for c, n, o in zip(meta.chunk_shape, meta.shape, origin, strict=True))
+        rel: Box = (tuple(s - o for s, o in zip(w.stored_box[0], origin, strict=True)), tuple(w.stored_box[1]))
+        whole = rel == (tuple(0 for _ in region), region) and tuple(w.local_box[1]) == region
+        writes.append(LocalWrite(meta, tuple(w.chunk_index), w.local_name,
+                                 (tuple(w.local_box[0]), tuple(w.local_box[1])), None if whole else rel))
+    logical = tuple(logical_tensors(specs)) if arrays is not None else ()
+    return SavePlan(metas, writes, dict(rank_plan.layout_json), dict(rank_plan.mesh_json), logical)
+
+
+def block_of(w: LocalWrite, local: torch.Tensor) -> torch.Tensor:
+    """The block of shard ``w`` built from the rank's (staged) local tensor: the shard's region, clipped to
+    the array, with the local box at ``stored_box`` and zeros elsewhere (spec/layout.md §6.5)."""
+    src = local
+    if w.box is not None:
+        src = local[tuple(slice(a, a + n) for a, n in zip(w.box[0], w.box[1], strict=True))]
+    if w.stored_box is None:
+        return src
+    meta = w.array
+    origin = tuple(i * c for i, c in zip(w.coords, meta.chunk_shape, strict=True))
+    region = tuple(min(c, n - o) for c, n, o in zip(meta.chunk_shape, meta.shape, origin, strict=True))
+    out = torch.zeros(region, dtype=local.dtype)
+    start, shape = w.stored_box
+    out[tuple(slice(a, a + n) for a, n in zip(start, shape, strict=True))] = src.reshape(shape)
+    return out
+
+
+# -- the structure tree of a layout step -----------------------------------------------------------
+_TENSOR = "tensor"
+
+
+def _strip(node: Any) -> Any:
+    """``node`` without its tensor leaves: dict entries holding tensors dropped (a dict emptied that way
+    too), list/tuple items that are tensors kept as ``None`` placeholders (positions matter)."""
+    t = node.get("t")
+    if t == _TENSOR:
+        return None
+    if t == "dict":
+        items = []
+        for k, v in node["items"]:
+            s = _strip(v)
+            if s is not None:
+                items.append([k, s])
+        if node["items"] and not items:
+            return None
+        return {"t": "dict", "items": items}
+    if t in ("list", "tuple"):
+        return {"t": t, "items": [_strip(v) or {"t": "value", "v": None} for v in node["items"]]}
+    return node
+
+
+def graft(tree: Mapping[str, Any] | None, tensor_names: Sequence[str]) -> dict[str, Any]:
+    """A structure tree (ucl.names) holding the JSON values of ``tree`` and the tensors ``tensor_names``,
+    each at the path its "/"-separated segments give.
+
+    The tensors of ``tree`` are dropped first (for a layout step: the coordinator's local tensors, replaced
+    by the logical ones; for a reshard load: the step's logical tensors, replaced by the rank's local
+    ones). A name whose path is taken by a value is put at the top level under its full name.
+    """
+    root = _strip(dict(tree)) if tree else None
+    if root is None or root.get("t") != "dict":
+        root = {"t": "dict", "items": []}
+    for name in tensor_names:
+        leaf = {"t": _TENSOR, "name": name}
+        if not _insert(root, name.split("/"), leaf):
+            if any(str(k) == name for k, _ in root["items"]):
+                raise ValueError(f"tensor {name!r} cannot be placed in the structure tree")
+            root["items"].append([name, leaf])
+    return root
+
+
+def _insert(root: dict[str, Any], segs: list[str], leaf: dict[str, Any]) -> bool:
+    node = root
+    for i, seg in enumerate(segs):
+        last = i == len(segs) - 1
+        t = node.get("t")
+        if t == "dict":
+            hit = next((it for it in node["items"] if str(it[0]) == seg), None)
+            if hit is None:
+                new = leaf if last else {"t": "dict", "items": []}
+                node["items"].append([seg, new])
+                node = new
+                continue
+            child = hit[1]
+            if last:
+                if child == {"t": "value", "v": None} or (child.get("t") == "dict" and not child["items"]):
+                    hit[1] = leaf
+                    return True
+                return False
+            if child.get("t") not in ("dict", "list", "tuple"):
+                return False
+            node = child
+        elif t in ("list", "tuple"):
+            if not seg.isdigit() or int(seg) >= len(node["items"]):
+                return False
+            j = int(seg)
+            child = node["items"][j]
+            if last:
+                if child != {"t": "value", "v": None}:
+                    return False
+                node["items"][j] = leaf
+                return True
+            if child == {"t": "value", "v": None}:
+                child = node["items"][j] = {"t": "dict", "items": []}
+            elif child.get("t") not in ("dict", "list", "tuple"):
+                return False
+            node = child
+        else:
+            return False
+    return True
+

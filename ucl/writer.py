@@ -112,7 +112,8 @@ class StepWriter:
 
 
 def save(state: Mapping[str, Any], path: str | os.PathLike[str] | Store, step: int, *,
-         storage_options: dict[str, Any] | None = None, compression: str | None = None) -> CommitRecord:
+         storage_options: dict[str, Any] | None = None, compression: str | None = None,
+         layout: Any = None, mesh: Any = None, rank: int = 0) -> CommitRecord:
     """Write ``state`` as a committed full step (the synchronous reference writer).
 
     Parameters
@@ -128,6 +129,11 @@ def save(state: Mapping[str, Any], path: str | os.PathLike[str] | Store, step: i
         Passed to fsspec for URLs.
     compression
         ``None`` (default: raw bytes + crc32c, fastest) or ``"zstd"``.
+    layout, mesh, rank
+        Save ``state`` as the local state of rank ``rank`` of a one-rank mesh under a layout
+        (spec/layout.md; see :func:`ucl.reshard.save_local`): the step records the layout and its logical
+        tensors (e.g. a padded vocabulary stored without its padding). For many ranks use
+        :class:`ucl.engine.CheckpointManager` on each, or :func:`ucl.reshard.save_sharded`.
 
     Returns
     -------
@@ -141,6 +147,13 @@ def save(state: Mapping[str, Any], path: str | os.PathLike[str] | Store, step: i
     InvalidArgumentError, InvalidNameError, UnsupportedDTypeError
         When the state holds something ucl cannot store; nothing is written then.
     """
+    if layout is not None:
+        from ucl.reshard import save_local
+
+        return save_local(state, path, step, layout=layout, mesh=mesh, rank=rank, storage_options=storage_options,
+                          compression=compression)
+    if mesh is not None:
+        raise InvalidArgumentError("mesh= needs a layout= to go with it")
     tensors, tree = names.flatten(state)
     comp = {"name": "zstd", "configuration": {"level": 1, "checksum": False}} if compression == "zstd" else None
     if compression not in (None, "zstd"):

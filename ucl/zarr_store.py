@@ -422,7 +422,8 @@ class ZarrStore(Store):
 def _view_of(lt: LazyTensor) -> _ArrayView:
     shape = tuple(lt.shape)
     dtype = dtypes.from_torch(lt.dtype)
-    inner = lt.meta.inner_chunk_shape if tuple(lt.meta.shape) == shape else None  # else: a layout transform
+    meta = lt.meta  # None for a logical tensor of a layout step: its elements span stored boxes
+    inner = meta.inner_chunk_shape if meta is not None and tuple(meta.shape) == shape else None
     return _ArrayView(
         lt.name, names.to_key(lt.name), shape, dtype, view_chunks(shape, dtypes.itemsize(dtype), inner)
     )

@@ -9,6 +9,7 @@ writes and reads under any parallel configuration. Pure functions: no I/O, no to
 [('model/w.weight', (0, 0))]
 """
 
+from ucl.layout.args import as_layout, as_mesh
 from ucl.layout.boxes import Box
 from ucl.layout.builtins import BUILTINS, builtin, megatron_gpt, zero_flat
 from ucl.layout.dtensor import layout_from_dtensors, mesh_rank
@@ -54,6 +55,8 @@ __all__ = [
     "Shard",
     "ShardWrite",
     "Size",
+    "as_layout",
+    "as_mesh",
     "builtin",
     "check_mesh",
     "format_layout",

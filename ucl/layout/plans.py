@@ -107,8 +107,42 @@ class SavePlan:
             "mesh": self.mesh_json,
             "matched": self.matched,
             "arrays": [a.to_dict() for a in self.arrays.values()],
-            "writes": [[w.array.name, list(w.chunk_index)] for w in self.writes],
+            "writes": [
+                [
+                    w.array.name,
+                    list(w.chunk_index),
+                    w.local_name,
+                    [list(w.local_box[0]), list(w.local_box[1])],
+                    [list(w.stored_box[0]), list(w.stored_box[1])],
+                ]
+                for w in self.writes
+            ],
         }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SavePlan:
+        """Inverse of :meth:`to_dict` (the coordinator rebuilds the gathered plans for :func:`merge_plans`)."""
+        arrays = {a["name"]: ArraySpec.from_dict(a) for a in d["arrays"]}
+        writes = []
+        for w in d["writes"]:
+            name, idx = w[0], tuple(w[1])
+            spec = arrays[name]
+            if len(w) >= 5:
+                local_name = w[2]
+                local_box: Box = (tuple(w[3][0]), tuple(w[3][1]))
+                stored_box: Box = (tuple(w[4][0]), tuple(w[4][1]))
+            else:  # the short form: array and chunk only
+                local_name, stored_box = "", spec.chunk_box(idx)
+                local_box = stored_box
+            writes.append(ShardWrite(spec, idx, local_name, local_box, stored_box))
+        return cls(
+            writes,
+            arrays,
+            dict(d["layout"]),
+            dict(d.get("mesh") or {}),
+            int(d.get("rank", 0)),
+            {k: list(v) for k, v in (d.get("matched") or {}).items()},
+        )
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ucl.errors import LayoutError, LayoutShapeError, TensorNotFoundError
+from ucl.errors import InconsistentMetadataError, LayoutError, LayoutShapeError, TensorNotFoundError
 from ucl.layout.boxes import Box, View, contiguous_runs, full, intersect, numel
 from ucl.layout.mesh import Mesh
 from ucl.layout.model import Layout
@@ -43,11 +43,17 @@ class LogicalIndex:
                 continue
             for t, info in rec["tensors"].items():
                 self._tensor(t, tuple(info["shape"]), info["dtype"], name)
+                if info["dtype"] != spec.dtype:
+                    raise InconsistentMetadataError(
+                        f"array {name!r} of {spec.dtype} records tensor {t!r} as {info['dtype']}", tensor=t
+                    )
             k = rec.get("partial", {}).get("count", 0)
             for m in rec["maps"]:
                 view = (m["view"]["offset"], tuple(m["view"]["shape"])) if "view" in m else None
                 box = (tuple(m["box"][0]), tuple(m["box"][1]))
-                self.maps[m["tensor"]].append(_Map(name, box, tuple(m["at"]), view, k))
+                at = tuple(m["at"])
+                _check_map(spec, rec, m["tensor"], box, at, view, k)
+                self.maps[m["tensor"]].append(_Map(name, box, at, view, k))
         for t, maps in self.maps.items():  # replicas: the first map of a box wins
             seen: set[Box] = set()
             self.maps[t] = [m for m in maps if not (m.box in seen or seen.add(m.box))]  # type: ignore[func-returns-value]
@@ -118,6 +124,47 @@ class LogicalIndex:
             else:
                 out.extend((m.array, sb, rb, 0) for sb, rb in pieces)
         return out
+
+
+def _check_map(
+    spec: ArraySpec,
+    rec: Mapping[str, Any],
+    tensor: str,
+    box: Box,
+    at: tuple[int, ...],
+    view: View | None,
+    k: int,
+) -> None:
+    """A map must name a tensor of its record, lie inside it, and point inside the stored array (a reader
+    must never read outside what the array holds on the strength of a record)."""
+
+    def bad(why: str) -> InconsistentMetadataError:
+        return InconsistentMetadataError(f"array {spec.name!r}: a map of tensor {tensor!r} {why}", tensor=tensor)
+
+    info = rec["tensors"].get(tensor)
+    if info is None:
+        raise bad("names a tensor the record does not list")
+    shape = tuple(info["shape"])
+    if len(box[0]) != len(shape) or len(box[1]) != len(shape):
+        raise bad(f"has a box of another rank than the tensor's {list(shape)}")
+    if any(s < 0 or n < 0 or s + n > d for s, n, d in zip(box[0], box[1], shape, strict=True)):
+        raise bad(f"box {[list(box[0]), list(box[1])]} lies outside its shape {list(shape)}")
+    stored = spec.shape[1:] if k else spec.shape
+    if k and (spec.shape[0] != k or len(spec.shape) < 1):
+        raise bad(f"is partial over {k} contributions; the array's leading dim is {spec.shape[:1]}")
+    if view is None:
+        if len(at) != len(stored) or len(box[1]) != len(stored):
+            raise bad(f"is stored at {list(at)}, not an index of the array of shape {list(spec.shape)}")
+        if any(n and a + n > d for a, n, d in zip(at, box[1], stored, strict=True)):
+            raise bad(f"at {list(at)} runs past the array of shape {list(spec.shape)}")
+        return
+    off, vshape = view
+    if len(stored) != 1 or len(vshape) != len(shape) or len(at) != len(vshape):
+        raise bad("has a view, but the array is not 1-D or the view's rank differs from the tensor's")
+    if off + math.prod(vshape) > stored[0]:
+        raise bad(f"view [{off}, {off + math.prod(vshape)}) runs past the array of {stored[0]} elements")
+    if any(n and a + n > d for a, n, d in zip(at, box[1], vshape, strict=True)):
+        raise bad(f"at {list(at)} runs past its view {list(vshape)}")
 
 
 def logical_tensors(arrays: Mapping[str, ArraySpec]) -> dict[str, tuple[tuple[int, ...], str]]:
