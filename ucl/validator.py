@@ -111,7 +111,8 @@ def _validate_step(repo: Repository, step: int, report: Report, checksums: bool)
         except UCLError as e:
             report.add(e, step)
             continue
-        n_shards = math.prod(arr.grid)
+        holding = _holding(arr)  # a layout array: only the chunks that hold data are written (spec/layout.md §6.5)
+        n_shards = math.prod(arr.grid) if holding is None else len(holding)
         if arr.delta is None and n_shards > len(record.files):  # never enumerate a grid the record cannot hold
             report.add(MissingShardError(f"tensor {name!r} has {n_shards} shards; the commit record of step {step} "
                                          f"lists {len(record.files)} files", tensor=name,
@@ -121,7 +122,7 @@ def _validate_step(repo: Repository, step: int, report: Report, checksums: bool)
             rel = arr.shard_key(coords)
             expected_files.add(rel)
             if rel not in record.files:
-                if arr.delta is None:
+                if arr.delta is None and (holding is None or coords in holding):
                     report.add(MissingShardError(f"shard {rel} of tensor {name!r} is not in the commit record of step "
                                                  f"{step}", tensor=name, file=f"{step_prefix(step)}/{rel}"), step)
                 continue
@@ -141,6 +142,16 @@ def _validate_step(repo: Repository, step: int, report: Report, checksums: bool)
                                              "step owns", file=f"{step_prefix(step)}/{p}"), step)
     if meta.kind == "delta":
         _check_chain(repo, step, meta, report)
+
+
+def _holding(arr: ArrayMeta) -> set[tuple[int, ...]] | None:
+    """The chunks of a layout array that hold data, or None for a plain array (every chunk)."""
+    if not arr.logical:
+        return None
+    from ucl.layout import stored_chunks
+    from ucl.saveplan import spec_for_meta
+
+    return stored_chunks(spec_for_meta(arr))
 
 
 def _group_docs(meta: StepMeta) -> set[str]:
