@@ -540,7 +540,7 @@ def export_safetensors(path: Any, dst: str | os.PathLike[str], step: int | None 
                     with open(tmp, "wb") as fh:
                         fh.write(_header(meta, tensor_names, plan.file_meta.get(fname)))
                         for name in tensor_names:
-                            t = ckpt[name].read()  # one tensor in memory at a time
+                            t = ckpt.array(name).read()  # one stored array in memory at a time
                             fh.write(as_bytes(t))
                             bar.update(t.numel() * t.element_size())
                             del t

@@ -153,9 +153,9 @@ def diff_steps(a_path: Any, b_path: Any, a_step: int | None = None, b_step: int 
         report = DiffReport(_side(ca), _side(cb))
         total = 2 * sum(m.nbytes for n, m in ca.meta.arrays.items() if n in cb.meta.arrays)
         with Progress(total, "diff", enabled=progress) as bar:
-            for name in ca:
+            for name in ca.meta.arrays:  # stored arrays (a layout step's keys() are its logical tensors)
                 ma = ca.meta.arrays[name]
-                if name not in cb:
+                if name not in cb.meta.arrays:
                     report.tensors.append(TensorDiff(name, "only_a", ma.dtype, list(ma.shape)))
                     continue
                 mb = cb.meta.arrays[name]
@@ -163,9 +163,9 @@ def diff_steps(a_path: Any, b_path: Any, a_step: int | None = None, b_step: int 
                     report.tensors.append(TensorDiff(name, "incompatible", ma.dtype, list(ma.shape),
                                                      note=f"b is {mb.dtype} {list(mb.shape)}"))
                     continue
-                report.tensors.append(compare(ca[name], cb[name], block_bytes, bar))
-            for name in cb:
-                if name not in ca:
+                report.tensors.append(compare(ca.array(name), cb.array(name), block_bytes, bar))
+            for name in cb.meta.arrays:
+                if name not in ca.meta.arrays:
                     mb = cb.meta.arrays[name]
                     report.tensors.append(TensorDiff(name, "only_b", mb.dtype, list(mb.shape)))
     return report

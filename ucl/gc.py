@@ -324,7 +324,7 @@ def _stage(repo: Repository, step: int, record: CommitRecord, meta: StepMeta, co
     with Checkpoint(repo, step, record, meta) as ckpt, \
             Progress(sum(a.nbytes for a in arrays.values()), "compact", enabled=progress) as bar:
         for name, a in arrays.items():
-            lt = ckpt[name]
+            lt = ckpt.array(name)  # the stored array (a layout step's ckpt[name] is the logical tensor)
             for coords in all_shards(a):
                 start = tuple(c * k for c, k in zip(coords, a.chunk_shape, strict=True))
                 size = tuple(min(k, n - s) for k, n, s in zip(a.chunk_shape, a.shape, start, strict=True))
