@@ -2,11 +2,24 @@
 
 A read runs in three phases over any number of (array, box, destination) requests:
 
-1. load the index of every shard involved (concurrently; each is checked: crc32c, bounds, overlaps);
-2. plan: for each needed inner chunk, either read it straight into the destination (a whole, unpadded,
-   uncompressed chunk whose bytes are one contiguous run there) or into a scratch buffer; coalesce
-   neighbouring chunks of a file into one vectored read (preadv) of at most SEGMENT_BYTES;
-3. execute the segments concurrently, then verify each chunk's crc32c and copy scratch chunks.
+1. load the index of every shard involved (on INDEX_THREADS threads: small latency-bound reads; each
+   index is checked: crc32c, bounds, overlaps). A small shard that a request needs whole is read in one
+   request with its index;
+2. plan, per request as soon as its indexes are in: for each needed inner chunk, either read it straight
+   into the destination (a whole, unpadded, uncompressed chunk whose bytes are one contiguous run there)
+   or place it from a buffer; coalesce neighbouring chunks of a file into segments of at most
+   SEGMENT_BYTES;
+3. execute the segments on the caller's pool (so data flows while later indexes are still read): verify
+   each chunk's crc32c and deliver it.
+
+On a local filesystem, segments of at least DIRECT_MIN_BYTES whose bytes are not in the page cache
+(cachestat) are read with O_DIRECT into a reused, page-aligned bounce buffer, checked there, then
+copied (or placed) into their destination: the file's pages never enter the page cache, so a cold load
+touches each byte of fresh memory once (the destination) instead of twice (page cache + destination),
+reads exactly the bytes it needs (no readahead), and never copies unchecked bytes into the destination.
+Meanwhile a side thread maps the destinations' missing pages (MADV_POPULATE_WRITE). Warm segments,
+small ones, other stores and filesystems without O_DIRECT use vectored buffered reads (preadv)
+straight into the destination, checked after.
 
 Any mismatch raises a ucl IntegrityError naming the tensor and file; a read never returns zeros for
 data that was written.
@@ -14,24 +27,37 @@ data that was written.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import ctypes
+import errno
 import math
+import mmap
+import os
 import struct
+import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from ucl import dtypes
-from ucl.errors import CorruptShardIndexError, MissingShardError, ShardSizeError
+from ucl import _native, dtypes
+from ucl.errors import ChecksumError, CorruptShardIndexError, MissingShardError, ShardSizeError
 from ucl.metadata import ArrayMeta, CommitRecord
 from ucl.repo import step_prefix
 from ucl.shard import EMPTY, _contiguous_span, as_bytes, check_chunk, decode_chunk, index_nbytes, parse_index
 from ucl.storage import Store
+from ucl.storage.local import preadv_all
 
-SEGMENT_BYTES = 32 << 20
+SEGMENT_BYTES = 8 << 20  # one task of the pool, and one O_DIRECT request at most
+DIRECT_MIN_BYTES = 256 << 10  # smaller segments are read buffered (alignment overhead, readahead helps)
+DIRECT = True  # O_DIRECT on local files for cold segments; False: always buffered
+SMALL_SHARD_BYTES = 128 << 10  # a small shard read whole is read in one request with its index
+INDEX_THREADS = 8  # index reads are small and latency-bound: more in flight than the data reads
+_ALIGN = 4096
 _CRC = struct.Struct("<I")
 
 
@@ -44,10 +70,18 @@ class StepFiles:
     record: CommitRecord
     indexes: dict[tuple[str, tuple[int, ...]], np.ndarray] = field(default_factory=dict)
     bytes_read: int = 0
+    direct_ok: bool = True  # cleared when the filesystem refuses O_DIRECT
+    small: dict[str, memoryview] = field(default_factory=dict)  # whole small shards read with their index
+    _paths: dict[str, str] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def prefix(self) -> str:
         return step_prefix(self.step)
+
+    def count(self, n: int) -> None:
+        with self._lock:
+            self.bytes_read += n
 
     def shard(self, meta: ArrayMeta, coords: tuple[int, ...]) -> tuple[str, int]:
         rel = meta.shard_key(coords)
@@ -56,7 +90,30 @@ class StepFiles:
                                     f"of step {self.step}", tensor=meta.name, file=f"{self.prefix}/{rel}")
         return f"{self.prefix}/{rel}", self.record.files[rel][0]
 
-    def index(self, meta: ArrayMeta, coords: tuple[int, ...]) -> np.ndarray:
+    def local_path(self, key: str) -> str | None:
+        """The file of ``key`` on a local store (checked once per checkpoint: it must not leave the
+        repository through a symlink), or None for other stores."""
+        p = self._paths.get(key)
+        if p is None:
+            checked = getattr(self.store, "_checked", None) if self.store.is_local else None
+            if checked is None:
+                return None
+            p = self._paths[key] = checked(key)
+        return p
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        path = self.local_path(key)
+        if path is None:
+            return self.store.read_range(key, offset, length)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+
+    def index(self, meta: ArrayMeta, coords: tuple[int, ...], whole: bool = False) -> np.ndarray:
+        """The checked index of a shard. ``whole``: the caller needs every chunk of the shard, so a small
+        shard is read in one request with its index, and its bytes kept in ``small`` for the chunks."""
         cached = self.indexes.get((meta.name, coords))
         if cached is not None:
             return cached
@@ -66,26 +123,49 @@ class StepFiles:
             raise ShardSizeError(f"{key}: the commit record's size {size} cannot hold the {n}-byte index",
                                  tensor=meta.name, file=key)
         try:
-            raw = self.store.read_range(key, size - n, n)
+            if whole and size <= SMALL_SHARD_BYTES:
+                data = self.read_range(key, 0, size)
+                if len(data) == size:  # else: truncated, reported by the index read below
+                    self.count(size)
+                    idx = parse_index(meta, data[size - n :], size, key)
+                    self.small[key] = memoryview(data)
+                    self.indexes[(meta.name, coords)] = idx
+                    return idx
+            raw = self.read_range(key, size - n, n)
         except (FileNotFoundError, NotADirectoryError):
             raise MissingShardError(f"shard {key} of tensor {meta.name!r} is missing", tensor=meta.name, file=key) from None
-        self.bytes_read += len(raw)
+        self.count(len(raw))
         idx = parse_index(meta, raw, size, key)
         self.indexes[(meta.name, coords)] = idx
         return idx
 
 
-@dataclass
 class _Chunk:
-    meta: ArrayMeta
-    key: str
-    coords: tuple[int, ...]
-    offset: int
-    nbytes: int  # encoded size including the 4-byte crc
-    direct: memoryview | None  # destination bytes when read in place
-    scratch: bytearray | None = None
-    crc: bytearray = field(default_factory=lambda: bytearray(4))
-    place: Callable[[memoryview], None] | None = None  # copies decoded scratch bytes into the destination
+    """One inner chunk to read: where it lies in its shard and where its bytes go."""
+
+    __slots__ = ("meta", "key", "coords", "offset", "nbytes", "direct", "scratch", "crc", "place")
+
+    def __init__(self, meta: ArrayMeta, key: str, coords: tuple[int, ...], offset: int, nbytes: int,
+                 direct: memoryview | None, scratch: bytearray | None = None,
+                 place: Callable[[memoryview], None] | None = None) -> None:
+        self.meta = meta
+        self.key = key
+        self.coords = coords
+        self.offset = offset
+        self.nbytes = nbytes  # encoded size including the 4-byte crc
+        self.direct = direct  # destination bytes when read in place
+        self.scratch = scratch  # allocated when first needed (an O_DIRECT read places from its bounce buffer)
+        self.crc = bytearray(4)
+        self.place = place  # copies decoded scratch bytes into the destination
+
+    @property
+    def target(self) -> memoryview:
+        """Where the chunk's encoded bytes (without the crc) are read to."""
+        if self.direct is not None:
+            return self.direct
+        if self.scratch is None:
+            self.scratch = bytearray(self.nbytes - 4)
+        return memoryview(self.scratch)
 
 
 @dataclass
@@ -143,7 +223,7 @@ def _plan(files: StepFiles, req: Request) -> list[_Chunk]:
                 chunks.append(_Chunk(meta, key, ic, off, nb, out_bytes[span[0] * itemsize : span[1] * itemsize]))
             else:
                 src = tuple(slice(a - c, b - c) for a, b, c in zip(lo_, hi_, c_start, strict=True))
-                chunks.append(_Chunk(meta, key, ic, off, nb, None, bytearray(nb - 4),
+                chunks.append(_Chunk(meta, key, ic, off, nb, None,
                                      place=_placer(meta, out, tuple(region), src, files, key, ic)))
     return chunks
 
@@ -167,55 +247,384 @@ def _segments(chunks: list[_Chunk]) -> list[list[_Chunk]]:
     """Group chunks of the same file whose bytes are adjacent, up to SEGMENT_BYTES per group."""
     chunks = sorted(chunks, key=lambda c: (c.key, c.offset))
     groups: list[list[_Chunk]] = []
+    size = 0
     for c in chunks:
         g = groups[-1] if groups else None
-        if g and g[-1].key == c.key and g[-1].offset + g[-1].nbytes == c.offset and \
-                sum(x.nbytes for x in g) + c.nbytes <= SEGMENT_BYTES:
+        adjacent = g is not None and g[-1].key == c.key and g[-1].offset + g[-1].nbytes == c.offset
+        if g and adjacent and size + c.nbytes <= SEGMENT_BYTES:
             g.append(c)
+            size += c.nbytes
         else:
             groups.append([c])
+            size = c.nbytes
     return groups
 
 
 def _execute(files: StepFiles, group: list[_Chunk]) -> int:
+    want = sum(c.nbytes for c in group)
+    raw = files.small.get(group[0].key)
+    if raw is not None:  # read with its index (and counted there)
+        _from_memory(group, raw, 0)
+        return 0
+    if DIRECT and files.direct_ok and want >= DIRECT_MIN_BYTES and files.store.is_local:
+        got = _execute_direct(files, group, want)
+        if got is not None:
+            return got
+    return _execute_buffered(files, group, want)
+
+
+def _execute_buffered(files: StepFiles, group: list[_Chunk], want: int) -> int:
     bufs: list[memoryview] = []
     for c in group:
-        bufs.append(c.direct if c.direct is not None else memoryview(c.scratch))  # type: ignore[arg-type]
+        bufs.append(c.target)
         bufs.append(memoryview(c.crc))
-    want = sum(c.nbytes for c in group)
     try:
-        got = files.store.readinto(group[0].key, group[0].offset, bufs)
+        path = files.local_path(group[0].key)
+        if path is None:
+            got = files.store.readinto(group[0].key, group[0].offset, bufs)
+        else:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                got = preadv_all(fd, bufs, group[0].offset)
+            finally:
+                os.close(fd)
     except (FileNotFoundError, NotADirectoryError):
-        c = group[0]
-        raise MissingShardError(f"shard {c.key} of tensor {c.meta.name!r} is missing", tensor=c.meta.name, file=c.key) from None
+        raise _missing(group[0]) from None
     if got != want:
-        c = group[0]
-        raise ShardSizeError(f"{c.key}: read {got} of {want} bytes at offset {c.offset}: the shard is truncated",
-                             tensor=c.meta.name, file=c.key)
+        raise _truncated(group[0], got, want)
     for c in group:
-        data = c.direct if c.direct is not None else memoryview(c.scratch)  # type: ignore[arg-type]
+        data = c.target
         check_chunk(c.meta, data, _CRC.unpack(c.crc)[0], c.key, c.coords)
         if c.place is not None:
             c.place(data)
     return want
 
 
+def _missing(c: _Chunk) -> MissingShardError:
+    return MissingShardError(f"shard {c.key} of tensor {c.meta.name!r} is missing", tensor=c.meta.name,
+                             file=c.key)
+
+
+def _truncated(c: _Chunk, got: int, want: int) -> ShardSizeError:
+    return ShardSizeError(f"{c.key}: read {got} of {want} bytes at offset {c.offset}: the shard is truncated",
+                          tensor=c.meta.name, file=c.key)
+
+
+# -- O_DIRECT ----------------------------------------------------------------------------------------
+def _execute_direct(files: StepFiles, group: list[_Chunk], want: int) -> int | None:
+    """Read a group with O_DIRECT through a bounce buffer; None when it should be read buffered instead
+    (its pages are mostly cached already, or the filesystem refuses O_DIRECT)."""
+    c0 = group[0]
+    start, end = c0.offset, c0.offset + want
+    path = files.local_path(c0.key)
+    if path is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        raise _missing(c0) from None
+    except OSError as e:
+        if e.errno == errno.EINVAL:  # no O_DIRECT on this filesystem (tmpfs, some FUSE)
+            files.direct_ok = False
+            return None
+        raise
+    try:
+        if _mostly_cached(fd, start, want):
+            return None
+        buf = _bounce_get()
+        try:
+            if want + 2 * _ALIGN <= len(buf):
+                _whole(fd, group, start, end, buf)
+                return want
+            crcs = _stream(fd, group, start, end, buf)
+        finally:
+            _bounce_put(buf)
+    finally:
+        os.close(fd)
+    for c, crc in zip(group, crcs, strict=True):
+        _check(c, crc, _CRC.unpack(c.crc)[0])
+        if c.place is not None:
+            c.place(c.target)
+    return want
+
+
+def _check(c: _Chunk, computed: int, stored: int) -> None:
+    if computed != stored:  # the message of shard.check_chunk
+        raise ChecksumError(f"{c.key}: inner chunk {list(c.coords)} of tensor {c.meta.name!r} fails its "
+                            "crc32c",
+                            tensor=c.meta.name, file=c.key)
+
+
+def _whole(fd: int, group: list[_Chunk], start: int, end: int, buf: mmap.mmap) -> None:
+    """Read a group that fits the bounce buffer in one request; check each chunk there, then copy it
+    to its destination or place it from there (no scratch buffer)."""
+    mv = memoryview(buf)
+    base = start - start % _ALIGN
+    got = _pread_direct(fd, mv[: -(-(end - base) // _ALIGN) * _ALIGN], base)
+    if base + got < end:
+        raise _truncated(group[0], max(0, base + got - start), end - start)
+    _from_memory(group, mv, base)
+
+
+def _from_memory(group: list[_Chunk], mv: memoryview, base: int) -> None:
+    """Check and deliver chunks whose encoded bytes (and crcs) are in ``mv``, which holds the shard's
+    bytes from file offset ``base``."""
+    for c in group:
+        o = c.offset - base
+        data = mv[o : o + c.nbytes - 4]
+        _check(c, _native.crc32c(data), _CRC.unpack_from(mv, o + c.nbytes - 4)[0])
+        if c.direct is not None:
+            _copy(c.direct, data)
+        else:
+            c.place(data)  # type: ignore[misc]
+
+
+def _stream(fd: int, group: list[_Chunk], start: int, end: int, buf: mmap.mmap) -> list[int]:
+    """Read file bytes [start, end) in aligned windows of the bounce buffer, copying each chunk's data
+    to its target and its crc to ``c.crc``; returns the crc32c computed over each chunk's data."""
+    mv = memoryview(buf)
+    crcs = [0] * len(group)
+    first = 0  # first chunk not yet complete
+    pos = start - start % _ALIGN
+    while pos < end:
+        n = min(len(buf), -(-(end - pos) // _ALIGN) * _ALIGN)
+        got = _pread_direct(fd, mv[:n], pos)
+        lo, hi = max(pos, start), min(pos + got, end)
+        j = first
+        while j < len(group):
+            c = group[j]
+            if c.offset >= hi:
+                break
+            c_end = c.offset + c.nbytes
+            d_end = c_end - 4
+            a, b = max(lo, c.offset), min(hi, d_end)
+            if b > a:
+                src = mv[a - pos : b - pos]
+                crcs[j] = _native.crc32c(src, crcs[j])
+                _copy(c.target[a - c.offset : b - c.offset], src)
+            a, b = max(lo, d_end), min(hi, c_end)
+            if b > a:
+                c.crc[a - d_end : b - d_end] = mv[a - pos : b - pos]
+            if c_end <= hi:
+                first = j + 1
+            j += 1
+        if hi < min(pos + n, end):
+            c = group[first]
+            raise _truncated(c, hi - start, end - start)
+        pos += n
+    return crcs
+
+
+def _pread_direct(fd: int, buf: memoryview, offset: int) -> int:
+    """Fill ``buf`` from ``offset`` (both aligned); fewer bytes only at the end of the file."""
+    got = 0
+    while got < buf.nbytes:
+        n = os.preadv(fd, [buf[got:]], offset + got)
+        got += n
+        if n == 0 or n % _ALIGN:  # end of file (an unaligned count can only come from there)
+            break
+    return got
+
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    if src.nbytes >= 1 << 16:  # numpy copies with the GIL released
+        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+    else:
+        dst[:] = src
+
+
+_BOUNCE_LOCK = threading.Lock()
+_BOUNCE_FREE: list[mmap.mmap] = []
+_BOUNCE_KEEP = 8
+
+
+def _bounce_get() -> mmap.mmap:
+    """A page-aligned buffer of SEGMENT_BYTES plus an alignment page at each end, reused across reads
+    (warm memory: touching fresh pages costs more than the copy out of it)."""
+    size = SEGMENT_BYTES + 2 * _ALIGN
+    with _BOUNCE_LOCK:
+        while _BOUNCE_FREE:
+            b = _BOUNCE_FREE.pop()
+            if len(b) == size:
+                return b
+    return mmap.mmap(-1, size)
+
+
+def _bounce_put(b: mmap.mmap) -> None:
+    with _BOUNCE_LOCK:
+        if len(_BOUNCE_FREE) < _BOUNCE_KEEP:
+            _BOUNCE_FREE.append(b)
+            return
+    with contextlib.suppress(BufferError):  # a view still alive (a traceback's): the collector unmaps it
+        b.close()
+
+
+class _CacheStatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _CacheStat(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted",
+                                                "nr_recently_evicted")]
+
+
+_SYS_CACHESTAT = 451  # Linux >= 6.5, same number on every architecture
+_cachestat: Any = None  # the libc syscall function; False when unavailable
+
+
+def _mostly_cached(fd: int, offset: int, length: int) -> bool:
+    """True when at least half of the pages of [offset, offset+length) are in the page cache (then a
+    buffered read is faster than going to the device); False when not, or when the kernel cannot say."""
+    global _cachestat
+    if _cachestat is None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            _cachestat = libc.syscall
+            _cachestat.restype = ctypes.c_long
+        except (OSError, AttributeError):
+            _cachestat = False
+    if _cachestat is False:
+        return False
+    rng = _CacheStatRange(offset, length)
+    st = _CacheStat()
+    if _cachestat(ctypes.c_long(_SYS_CACHESTAT), ctypes.c_uint(fd), ctypes.byref(rng), ctypes.byref(st),
+                  ctypes.c_uint(0)) != 0:
+        if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):
+            _cachestat = False
+        return False
+    return st.nr_cache * mmap.PAGESIZE * 2 >= length
+
+
 def read(files: StepFiles, requests: Iterable[Request], pool: Executor | None = None) -> None:
     """Fill every request's ``out`` from the step (the three phases in the module docstring)."""
     requests = list(requests)
-    # phase 1: shard indexes, concurrently
-    need = {(r.meta.name, s): (r.meta, s) for r in requests
-            for s in _shards_of(r.meta, r.start, tuple(a + n for a, n in zip(r.start, r.shape, strict=True)))
-            if all(r.shape)}
-    todo = [v for k, v in need.items() if k not in files.indexes]
-    _run(pool, [lambda m=m, s=s: files.index(m, s) for m, s in todo])
-    # phase 2: plan
-    chunks: list[_Chunk] = []
+    pre = _Prefaulter.start_for(requests) if pool is not None and files.store.is_local else None
+    try:
+        _read(files, requests, pool)
+    finally:
+        if pre is not None:
+            pre.stop()
+
+
+def _read(files: StepFiles, requests: list[Request], pool: Executor | None) -> None:
+    live = []
     for r in requests:
-        chunks.extend(_plan(files, r))
-    # phase 3: read, verify, place
-    sizes = _run(pool, [lambda g=g: _execute(files, g) for g in _segments(chunks)])
-    files.bytes_read += sum(sizes)
+        if all(r.shape):
+            stop = tuple(a + n for a, n in zip(r.start, r.shape, strict=True))
+            shards = _shards_of(r.meta, r.start, stop)
+            live.append((r, [(s, _covers(r.meta, s, r.start, stop)) for s in shards]))
+    try:
+        if pool is None:
+            for r, shards in live:
+                for s, whole in shards:
+                    files.index(r.meta, s, whole)
+                for g in _segments(_plan(files, r)):
+                    files.count(_execute(files, g))
+            return
+        # indexes on their own threads; each request's data is read as soon as its indexes are in
+        todo = {}
+        for r, shards in live:
+            for s, whole in shards:
+                if (r.meta.name, s) not in files.indexes and (r.meta.name, s) not in todo:
+                    todo[(r.meta.name, s)] = (r.meta, s, whole)
+        ipool = ThreadPoolExecutor(min(INDEX_THREADS, len(todo)), "ucl-index") if len(todo) > 1 else None
+        ifut = {k: ipool.submit(files.index, *v) for k, v in todo.items()} if ipool is not None else {}
+        dfut: list[Future[int]] = []
+        try:
+            for r, shards in live:
+                for s, whole in shards:
+                    f = ifut.get((r.meta.name, s))
+                    if f is not None:
+                        f.result()
+                    else:
+                        files.index(r.meta, s, whole)
+                dfut += [pool.submit(_execute, files, g) for g in _segments(_plan(files, r))]
+            for f in dfut:
+                files.count(f.result())
+        finally:  # on an error: nothing of this read keeps running after it returns
+            for f in [*ifut.values(), *dfut]:
+                f.cancel()
+            wait([*ifut.values(), *dfut])
+            if ipool is not None:
+                ipool.shutdown(wait=False)
+    finally:
+        files.small.clear()
+
+
+def _covers(meta: ArrayMeta, shard: tuple[int, ...], start: tuple[int, ...], stop: tuple[int, ...]) -> bool:
+    """True when the box [start, stop) contains the shard's whole region (clipped to the array)."""
+    for c, cs, n, a, b in zip(shard, meta.chunk_shape, meta.shape, start, stop, strict=True):
+        if a > c * cs or b < min((c + 1) * cs, n):
+            return False
+    return True
+
+
+class _Prefaulter:
+    """Maps the destinations' missing pages (MADV_POPULATE_WRITE) on side threads while the pool waits
+    for the device: fresh memory is slow to fault in on this kind of machine (a virtual machine whose
+    free pages go back to the host), and populating is cheaper than faulting page by page in the
+    copies. Pages already mapped (``load_into`` a model's tensors) are found with mincore and skipped.
+    Content is never changed, so it can race with the readers."""
+
+    STEP = 8 << 20
+    MIN_BYTES = 8 << 20  # reads smaller than this are not worth a thread
+    THREADS = 1
+    _libc: Any = None
+
+    def __init__(self, steps: list[tuple[int, int]]) -> None:
+        self.steps = collections.deque(steps)
+        self._halt = threading.Event()
+        n = min(self.THREADS, len(steps))
+        self.threads = [threading.Thread(target=self._run, name="ucl-prefault", daemon=True)
+                        for _ in range(n)]
+        for t in self.threads:
+            t.start()
+
+    @classmethod
+    def start_for(cls, requests: list[Request]) -> _Prefaulter | None:
+        if cls._libc is False or sum(r.out.nbytes for r in requests) < cls.MIN_BYTES:
+            return None
+        if cls._libc is None:
+            try:
+                cls._libc = ctypes.CDLL(None, use_errno=True)
+                cls._libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                cls._libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            except (OSError, AttributeError):
+                cls._libc = False
+                return None
+        page = mmap.PAGESIZE
+        steps = []
+        for r in requests:
+            a, n = r.out.data_ptr(), r.out.nbytes
+            lo, hi = -(-a // page) * page, (a + n) // page * page
+            if hi - lo >= cls.STEP:
+                steps += [(x, min(cls.STEP, hi - x)) for x in range(lo, hi, cls.STEP)]
+        return cls(steps) if steps else None
+
+    def _run(self) -> None:
+        libc, page = self._libc, mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * (self.STEP // page))()
+        while not self._halt.is_set():
+            try:
+                a, n = self.steps.popleft()
+            except IndexError:
+                return
+            if libc.mincore(a, n, vec) != 0:
+                return
+            if 0 not in bytes(vec)[: n // page]:  # every page mapped already
+                continue
+            if libc.madvise(a, n, _MADV_POPULATE_WRITE) != 0:
+                if ctypes.get_errno() == errno.EINVAL:  # kernel < 5.14
+                    type(self)._libc = False
+                return
+
+    def stop(self) -> None:
+        self._halt.set()
+        for t in self.threads:
+            t.join()
+
+
+_MADV_POPULATE_WRITE = 23
 
 
 def _run(pool: Executor | None, tasks: list[Callable[[], Any]]) -> list[Any]:

@@ -1,0 +1,299 @@
+"""Helpers shared by the benchmarks under bench/: states to save, a cold page cache, memory and I/O
+counters, isolated measurement processes, and markdown tables.
+
+Everything here is measurement plumbing; the benchmarks themselves say what they compare.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+# -- states ----------------------------------------------------------------------------------------
+#: GPT-2-like shapes: (vocab, context, width, layers). "small" is ~200 MB of fp32, "medium" is GPT-2
+#: medium (~1.4 GB); "tiny" is for smoke tests. The vocabulary keeps GPT-2's awkward 50257 rows
+#: (= 29 x 1733), so the embedding's inner chunks are small and many, as they are in real checkpoints.
+SIZES: dict[str, tuple[int, int, int, int]] = {
+    "tiny": (1000, 64, 64, 2),
+    "small": (50257, 1024, 512, 8),
+    "medium": (50257, 1024, 1024, 24),
+}
+
+
+def gpt_state(size: str, seed: int = 0) -> dict[str, Any]:
+    """A flat GPT-2-style fp32 state dict of random values (many tensors, varied shapes)."""
+    import torch
+
+    vocab, ctx, d, layers = SIZES[size]
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float32)
+
+    state: dict[str, Any] = {"transformer.wte.weight": rnd(vocab, d), "transformer.wpe.weight": rnd(ctx, d)}
+    for i in range(layers):
+        p = f"transformer.h.{i}."
+        state.update(
+            {
+                p + "ln_1.weight": rnd(d),
+                p + "ln_1.bias": rnd(d),
+                p + "attn.c_attn.weight": rnd(d, 3 * d),
+                p + "attn.c_attn.bias": rnd(3 * d),
+                p + "attn.c_proj.weight": rnd(d, d),
+                p + "attn.c_proj.bias": rnd(d),
+                p + "ln_2.weight": rnd(d),
+                p + "ln_2.bias": rnd(d),
+                p + "mlp.c_fc.weight": rnd(d, 4 * d),
+                p + "mlp.c_fc.bias": rnd(4 * d),
+                p + "mlp.c_proj.weight": rnd(4 * d, d),
+                p + "mlp.c_proj.bias": rnd(d),
+            }
+        )
+    state["transformer.ln_f.weight"] = rnd(d)
+    state["transformer.ln_f.bias"] = rnd(d)
+    return state
+
+
+def state_nbytes(state: dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+# -- files and the page cache ----------------------------------------------------------------------
+def files_under(paths: Iterable[str]) -> list[str]:
+    """Every regular file under ``paths`` (files or directories), sorted."""
+    out: list[str] = []
+    for p in paths:
+        if os.path.isfile(p):
+            out.append(p)
+        else:
+            for root, _dirs, names in os.walk(p):
+                out.extend(os.path.join(root, n) for n in names)
+    return sorted(out)
+
+
+def tree_bytes(paths: Iterable[str]) -> int:
+    return sum(os.path.getsize(f) for f in files_under(paths))
+
+
+def drop_cache(paths: Iterable[str], method: str = "auto") -> str:
+    """Evict the pages of every file under ``paths`` from the page cache; returns the method used.
+
+    ``fadvise``: fsync + ``posix_fadvise(POSIX_FADV_DONTNEED)`` on each file, which evicts that file's
+    clean pages and nobody else's. ``drop_caches``: ``echo 3 > /proc/sys/vm/drop_caches`` (root only;
+    evicts the whole machine's cache, which disturbs other work). ``auto``: fadvise, checked with
+    mincore, escalating to drop_caches only if pages remain.
+    """
+    files = files_under(paths)
+    for f in files:  # dirty pages cannot be dropped: make them clean first
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            if method != "drop_caches":
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    if method == "fadvise":
+        return "fadvise"
+    if method == "auto" and cached_fraction(files) < 0.001:
+        return "fadvise"
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as fh:
+        fh.write("3\n")
+    return "drop_caches"
+
+
+def cached_fraction(paths: Iterable[str]) -> float:
+    """Fraction of the files' pages in the page cache (mincore on a read-only mapping)."""
+    import ctypes
+    import mmap
+
+    import numpy as np
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    total = cached = 0
+    for f in files_under(paths):
+        size = os.path.getsize(f)
+        if size == 0:
+            continue
+        with open(f, "rb") as fh:
+            m = mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ)
+        try:
+            n = -(-size // page)
+            vec = (ctypes.c_ubyte * n)()
+            ptr = _map_address(m)
+            if libc.mincore(ctypes.c_void_p(ptr), ctypes.c_size_t(size), vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore")
+            cached += int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1))
+            total += n
+        finally:
+            m.close()
+    return cached / total if total else 0.0
+
+
+def _map_address(m: Any) -> int:
+    """The address of an mmap object's mapping (mmap exposes no API for it; read it via the buffer)."""
+    import ctypes
+
+    class _Py_buffer(ctypes.Structure):
+        _fields_ = [
+            ("buf", ctypes.c_void_p),
+            ("obj", ctypes.py_object),
+            ("len", ctypes.c_ssize_t),
+            ("itemsize", ctypes.c_ssize_t),
+            ("readonly", ctypes.c_int),
+            ("ndim", ctypes.c_int),
+            ("format", ctypes.c_char_p),
+            ("shape", ctypes.c_void_p),
+            ("strides", ctypes.c_void_p),
+            ("suboffsets", ctypes.c_void_p),
+            ("internal", ctypes.c_void_p),
+        ]
+
+    view = _Py_buffer()
+    get = ctypes.pythonapi.PyObject_GetBuffer
+    get.argtypes = [ctypes.py_object, ctypes.POINTER(_Py_buffer), ctypes.c_int]
+    if get(m, ctypes.byref(view), 0) != 0:
+        raise OSError("PyObject_GetBuffer failed")
+    try:
+        return int(view.buf)
+    finally:
+        ctypes.pythonapi.PyBuffer_Release(ctypes.byref(view))
+
+
+# -- process counters ------------------------------------------------------------------------------
+def _status(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def rss() -> int:
+    """Resident set size of this process, bytes."""
+    return _status("VmRSS")
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (VmHWM) to its current RSS; False where the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss() -> int:
+    """Peak resident set size (VmHWM) since the process started or the last :func:`reset_peak_rss`."""
+    return _status("VmHWM")
+
+
+def disk_read_bytes() -> int:
+    """Bytes this process caused to be fetched from storage (/proc/self/io read_bytes; page-cache hits
+    do not count, so with a cold cache this is what the disk delivered, readahead included)."""
+    with open("/proc/self/io") as fh:
+        for line in fh:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    return 0
+
+
+class Meter:
+    """Wall time, peak-RSS delta and disk bytes of the code inside ``with Meter() as m:``."""
+
+    def __enter__(self) -> Meter:
+        import gc
+
+        gc.collect()
+        reset_peak_rss()
+        self.rss0 = rss()
+        self.io0 = disk_read_bytes()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self.t0
+        self.disk = disk_read_bytes() - self.io0
+        self.peak_delta = max(0, peak_rss() - self.rss0)
+
+    def result(self, **extra: Any) -> dict[str, Any]:
+        return {"seconds": self.seconds, "disk": self.disk, "peak_rss_delta": self.peak_delta, **extra}
+
+
+# -- isolated runs ---------------------------------------------------------------------------------
+#: A fixed mmap threshold turns off glibc's adaptive one, so every large buffer freed by one case is
+#: unmapped and the next case faults in fresh pages, as a fresh process would.
+CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10), "OMP_NUM_THREADS": "2"}
+
+
+def run_child(argv: Sequence[str], timeout: float = 600) -> Any:
+    """Run ``python argv...`` in a fresh process; its last stdout line is JSON, returned decoded."""
+    env = {**os.environ, **CHILD_ENV}
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"child {' '.join(argv)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    return json.loads(lines[-1])
+
+
+# -- statistics and tables -------------------------------------------------------------------------
+def median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    if n == 0:
+        return math.nan
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def fmt_bytes(n: float) -> str:
+    if n != n:  # NaN
+        return "-"
+    for unit, k in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= k:
+            return f"{n / k:.2f} {unit}" if unit == "GB" else f"{n / k:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:
+    """A GitHub markdown table; ``align`` is one letter per column (l/r), default: first left, rest right."""
+    align = align or "l" + "r" * (len(headers) - 1)
+    cells = [[str(c) for c in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r: Sequence[str]) -> str:
+        return (
+            "| "
+            + " | ".join(
+                c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(r, widths, align, strict=True)
+            )
+            + " |"
+        )
+
+    sep = (
+        "|"
+        + "|".join(
+            ("-" * (w + 1) + ":") if a == "r" else (":" + "-" * (w + 1))
+            for w, a in zip(widths, align, strict=True)
+        )
+        + "|"
+    )
+    return "\n".join([line(cells[0]), sep, *(line(r) for r in cells[1:])])
+
+
+def machine_line() -> str:
+    """One line describing the machine: CPUs, memory, the filesystem of the current directory."""
+    ncpu = os.cpu_count()
+    try:
+        with open("/proc/meminfo") as fh:
+            mem = int(fh.readline().split()[1]) * 1024
+    except OSError:
+        mem = 0
+    return f"{ncpu} CPUs, {fmt_bytes(mem)} RAM, Python {sys.version.split()[0]}"

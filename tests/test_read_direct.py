@@ -1,0 +1,164 @@
+"""The reader's O_DIRECT path (ucl/boxread.py): same bytes, same checks, same errors as buffered reads."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import ucl
+import ucl.shard
+from ucl import boxread
+from ucl.errors import ChecksumError, ShardSizeError
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "a": torch.randn(3001, 513, generator=g),  # inner chunks of 145 rows: many, odd-sized
+        "b": torch.randn(700, 300, generator=g).bfloat16(),
+        "c": torch.randn(5, generator=g),
+        "d": torch.rand(2049, 1025, generator=g) > 0.5,
+        "z": torch.zeros(400, 1000).index_fill_(0, torch.arange(0, 400, 3), 2.5),
+    }
+
+
+def _drop(root: Path) -> None:
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            fd = os.open(os.path.join(dirpath, n), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+@pytest.fixture()
+def saved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[str, torch.Tensor]]:
+    monkeypatch.setattr(ucl.shard, "INNER_TARGET_BYTES", 300_000)
+    st = _state()
+    ucl.save({k: v for k, v in st.items() if k != "z"}, tmp_path / "r", step=0)
+    ucl.save({"z": st["z"]}, tmp_path / "rz", step=0, compression="zstd")
+    return tmp_path, st
+
+
+@pytest.fixture()
+def direct(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Every segment through O_DIRECT (cached or not, however small); counts the reads that were."""
+    calls = {"direct": 0}
+    orig = boxread._execute_direct
+
+    def spy(*a):  # type: ignore[no-untyped-def]
+        r = orig(*a)
+        calls["direct"] += r is not None
+        return r
+
+    monkeypatch.setattr(boxread, "_execute_direct", spy)
+    monkeypatch.setattr(boxread, "DIRECT_MIN_BYTES", 1)
+    monkeypatch.setattr(boxread, "_mostly_cached", lambda *a: False)
+    return calls
+
+
+@pytest.mark.parametrize("segment", [8192, 300_004, 1 << 20, 8 << 20])
+def test_direct_reads_are_bit_exact(saved, direct, monkeypatch, segment) -> None:  # type: ignore[no-untyped-def]
+    root, st = saved
+    monkeypatch.setattr(boxread, "SEGMENT_BYTES", segment)  # 8192: chunks larger than the bounce buffer
+    monkeypatch.setattr(boxread, "_BOUNCE_FREE", [])
+    for repo, names in ((root / "r", "abcd"), (root / "rz", "z")):
+        with ucl.open(repo) as ck:
+            for n in names:
+                t = st[n]
+                assert torch.equal(ck[n][...], t)
+                for sl in (slice(1, 2), slice(17, 1500), slice(None, None, 3), slice(-7, None)):
+                    assert torch.equal(ck[n][sl], t[sl])
+                if t.dim() == 2:
+                    assert torch.equal(ck[n][5:390, 7:300], t[5:390, 7:300])
+            out = {n: torch.empty_like(st[n]) for n in names}
+            ck.load_into(out)
+            assert all(torch.equal(out[n], st[n]) for n in names)
+    assert direct["direct"] > 0
+
+
+def test_cold_segments_go_direct_and_warm_ones_buffered(saved, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    root, st = saved
+    fd = os.open(root / "r" / "steps" / "0" / "a" / "c" / "0" / "0", os.O_RDONLY)
+    try:
+        os.pread(fd, 1 << 20, 0)
+        if boxread._mostly_cached(fd, 0, 1 << 20) is False:
+            pytest.skip("the kernel cannot say what is cached (no cachestat)")
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert not boxread._mostly_cached(fd, 0, 1 << 20)
+    finally:
+        os.close(fd)
+    kinds: list[str] = []
+    orig_d, orig_b = boxread._execute_direct, boxread._execute_buffered
+
+    def d(*a):  # type: ignore[no-untyped-def]
+        r = orig_d(*a)
+        kinds.append("d" if r is not None else "-")
+        return r
+
+    monkeypatch.setattr(boxread, "_execute_direct", d)
+    monkeypatch.setattr(boxread, "_execute_buffered", lambda *a: kinds.append("b") or orig_b(*a))
+    _drop(root)
+    assert torch.equal(ucl.open(root / "r")["a"][...], st["a"])
+    assert kinds and set(kinds) == {"d"}  # cold: every segment of 'a' (6 MB) through O_DIRECT
+    kinds.clear()
+    assert torch.equal(ucl.open(root / "r")["a"][...], st["a"])
+    assert set(kinds) == {"d"}  # O_DIRECT left nothing in the page cache
+    (root / "r" / "steps" / "0" / "a" / "c" / "0" / "0").read_bytes()  # warm it
+    kinds.clear()
+    assert torch.equal(ucl.open(root / "r")["a"][...], st["a"])
+    assert kinds and set(kinds) == {"-", "b"}  # warm: buffered
+
+
+@pytest.mark.parametrize("segment", [8192, 8 << 20])
+@pytest.mark.parametrize("pos", [10, 300_002, 1_000_000])
+def test_direct_reads_check_every_chunk(saved, direct, monkeypatch, segment, pos) -> None:  # type: ignore[no-untyped-def]
+    root, _ = saved
+    monkeypatch.setattr(boxread, "SEGMENT_BYTES", segment)
+    shard = root / "r" / "steps" / "0" / "a" / "c" / "0" / "0"
+    data = bytearray(shard.read_bytes())
+    data[pos] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match=r"inner chunk \[\d+, 0\] of tensor 'a' fails its crc32c"):
+        ucl.open(root / "r")["a"][...]
+
+
+def test_direct_read_of_a_truncated_shard_raises(saved, direct) -> None:  # type: ignore[no-untyped-def]
+    root, _ = saved
+    ck = ucl.open(root / "r")
+    ck["a"][:1]  # the index is read (and cached) while the shard is whole
+    shard = root / "r" / "steps" / "0" / "a" / "c" / "0" / "0"
+    os.truncate(shard, shard.stat().st_size // 2)
+    with pytest.raises(ShardSizeError, match="the shard is truncated"):
+        ck["a"][...]
+
+
+def test_filesystem_without_o_direct_falls_back(saved, direct, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    root, st = saved
+    real_open = os.open
+
+    def no_direct(path, flags, *a):  # type: ignore[no-untyped-def]
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    ck = ucl.open(root / "r")
+    assert torch.equal(ck["a"][...], st["a"])
+    assert not ck._files.direct_ok and direct["direct"] == 0
+
+
+def test_small_shards_are_read_with_their_index_once(saved) -> None:  # type: ignore[no-untyped-def]
+    root, st = saved
+    ck = ucl.open(root / "r")
+    size = ck.record.files["c/c/0"][0]
+    out = ck.load(flat=True)
+    assert torch.equal(out["c"], st["c"])
+    ck2 = ucl.open(root / "r")
+    assert torch.equal(ck2["c"][...], st["c"]) and ck2.bytes_read == size  # one read: data + index
