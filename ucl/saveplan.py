@@ -11,6 +11,7 @@ Three sources of a plan, one shape of result (:class:`SavePlan`):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,10 +25,14 @@ from ucl.writer import all_shards, array_for
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
-# Inner chunks of an array split over a trailing dimension (a column-parallel shard) are split along that
-# dimension too, into up to COLUMN_SPLIT pieces of at least MIN_RUN_BYTES per row, so that a reader with
-# another split of that dimension (2x, 4x, 8x finer or coarser) reads whole inner chunks only.
-COLUMN_SPLIT = 8
+# Inner chunks of a layout array are split along its first dimension and along each dimension the layout
+# shards (over any axis, even of size 1) into up to SPLIT pieces (of at least MIN_INNER_BYTES, and runs
+# of at least MIN_RUN_BYTES along a trailing dimension), so that a reader with another split of those
+# dimensions (2x, 4x, 8x finer or coarser; rows <-> columns of a column-sharded array) reads whole inner
+# chunks only: bytes read ~ bytes needed (bench/reshard.py). Splitting the first dimension keeps inner
+# chunks contiguous in the writer's block; splitting a trailing one costs a copy when the shard is encoded.
+SPLIT = 8
+MIN_INNER_BYTES = 64 << 10
 MIN_RUN_BYTES = 512
 
 
@@ -96,30 +101,57 @@ def plan_rank(layout: Any, mesh: Any, rank: int, local: Mapping[str, tuple[tuple
     return plan_save(layout, mesh, rank, local, shapes=shapes)
 
 
-def inner_chunk_for(spec: Any) -> tuple[int, ...]:
+def inner_chunk_for(spec: Any, split: Sequence[int] = ()) -> tuple[int, ...]:
     """The inner chunk of a layout array: :func:`ucl.shard.choose_inner_chunk` of its chunk (the rank's
-    block), after splitting any trailing dimension that the chunk grid splits (a column shard) into up to
-    COLUMN_SPLIT pieces, so that other column splits read whole inner chunks."""
+    block), after splitting its first dimension and the dimensions ``split`` (those the layout shards)
+    into up to SPLIT pieces each."""
     block = tuple(max(1, c) for c in spec.chunk_shape)
     itemsize = dtypes.itemsize(spec.dtype)
     pre = list(block)
-    grid = spec.grid
     lead = 1 if spec.logical and spec.logical.get("partial") else 0
-    for d in range(lead + 1, len(block)):
-        if grid[d] <= 1:
-            continue
-        for k in range(COLUMN_SPLIT, 1, -1):
-            if block[d] % k == 0 and block[d] // k * itemsize >= MIN_RUN_BYTES:
-                pre[d] = block[d] // k
-                break
+    for d in sorted({lead, *split} & set(range(len(block)))):
+        for k in range(SPLIT, 1, -1):
+            if block[d] % k:
+                continue
+            cand = [*pre[:d], block[d] // k, *pre[d + 1:]]
+            if math.prod(cand) * itemsize < MIN_INNER_BYTES:
+                continue
+            if d > 0 and math.prod(cand[d:]) * itemsize < MIN_RUN_BYTES:
+                continue
+            pre = cand
+            break
     return choose_inner_chunk(tuple(pre), itemsize)
 
 
-def meta_for_spec(spec: Any, compression: dict[str, Any] | None = None) -> ArrayMeta:
+def split_dims(layout_json: Mapping[str, Any], mesh_json: Mapping[str, Any],
+               specs: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The dimensions of each tile array (a tensor stored under its own name) that its rule shards."""
+    from ucl.layout import Layout, Mesh
+    from ucl.layout.resolve import Resolver
+    from ucl.layout.transforms import make_tile
+
+    layout, mesh = Layout.from_dict(dict(layout_json)), Mesh.from_dict(dict(mesh_json))
+    res = Resolver(layout, mesh)
+    out: dict[str, tuple[int, ...]] = {}
+    for name, spec in specs.items():
+        info = (spec.logical or {}).get("tensors", {}).get(name) if spec.logical else {"shape": list(spec.shape)}
+        if info is None:
+            continue  # a flat buffer
+        try:
+            _, rule = res.rule_for(name)
+            tile = make_tile(rule, name, tuple(info["shape"]), mesh)
+        except Exception:  # noqa: BLE001 - a hint only
+            continue
+        lead = 1 if tile.partial else 0
+        out[name] = tuple(d + lead for d, plan in enumerate(tile.dims) if plan.splits)
+    return out
+
+
+def meta_for_spec(spec: Any, compression: dict[str, Any] | None = None, split: Sequence[int] = ()) -> ArrayMeta:
     """The stored-array metadata of a layout array (``ucl.layout.ArraySpec``)."""
     return ArrayMeta(name=names.check_name(spec.name), shape=tuple(spec.shape), dtype=spec.dtype,
                      chunk_shape=tuple(max(1, c) for c in spec.chunk_shape),
-                     inner_chunk_shape=inner_chunk_for(spec), compression=compression,
+                     inner_chunk_shape=inner_chunk_for(spec, split), compression=compression,
                      logical=dict(spec.logical) if spec.logical else None)
 
 
@@ -140,7 +172,8 @@ def from_layout(rank_plan: Any, arrays: Mapping[str, Any] | None = None,
     from ucl.layout import logical_tensors
 
     specs = dict(arrays if arrays is not None else rank_plan.arrays)
-    metas = {n: meta_for_spec(s, compression) for n, s in specs.items()}
+    split = split_dims(rank_plan.layout_json, rank_plan.mesh_json, specs)
+    metas = {n: meta_for_spec(s, compression, split.get(n, ())) for n, s in specs.items()}
     writes = []
     for w in rank_plan.writes:
         meta = metas[w.array.name]

@@ -1,0 +1,75 @@
+"""The engine under a layout on real processes: bad layouts fail on every rank before any byte is
+written (and the manager still saves afterwards), DTensor states (layout derived from placements) save
+one way and load another in place, and delta steps of a layout save read back logically."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+import ucl
+from ucl.testing import dist
+
+from .cases import perturbed
+
+pytestmark = pytest.mark.dist
+
+
+def _no_step_files(path: str) -> bool:
+    if not os.path.exists(path):
+        return True
+    steps = os.path.join(path, "steps")
+    listed = sorted(os.listdir(steps)) if os.path.isdir(steps) else []
+    commits = os.path.join(path, "commits")
+    return listed in ([], ["zarr.json"]) and (not os.path.isdir(commits) or not os.listdir(commits))
+
+
+def test_bad_layouts_fail_on_every_rank_before_any_byte_is_written(tmp_path: Any, ref: dict[str, Any]) -> None:
+    results = dist.run(2, "tests.reshard.cases:bad_layouts", {"root": str(tmp_path), "ref": ref["path"]})
+    expect = {"unmatched": "pattern_unmatched", "overlap": "rules_overlap", "fused_size": "layout_shape_mismatch",
+              "rank_shape": "layout_shape_mismatch", "mesh_world": "mesh_mismatch", "mesh_axis": "mesh_mismatch"}
+    for rank, r in enumerate(results):
+        assert {case: out["error"] for case, out in r.items()} == expect, rank
+    assert "**nonexistent.weight" in results[0]["unmatched"]["message"]
+    assert "matches rule 2" in results[0]["overlap"]["message"]
+    assert "[64, 33]" in results[1]["rank_shape"]["message"]  # rank 0's view of rank 1's tensor, on rank 1 too
+    assert "world has 2" in results[0]["mesh_world"]["message"]
+    for case in expect:
+        if case == "rank_shape":
+            continue
+        assert _no_step_files(os.path.join(tmp_path, case)), case
+    # the manager that refused a bad state still saves a good one (its collectives stayed in step)
+    assert results[0]["rank_shape"]["then"] == [2]
+    assert ucl.Repository.open(os.path.join(tmp_path, "rank_shape")).steps() == [2]
+
+
+def test_dtensor_states_reshard_in_place(tmp_path: Any) -> None:
+    results = dist.run(2, "tests.reshard.cases:dtensor_roundtrip", {"root": str(tmp_path)})
+    for r in results:
+        assert r == {"w": True, "v": True, "b": True, "n": True, "logical": True}
+    assert ucl.validate(os.path.join(tmp_path, "dtensor")).ok
+
+
+def test_delta_steps_under_a_layout(tmp_path: Any, ref: dict[str, Any]) -> None:
+    results = dist.run(2, "tests.reshard.cases:delta_steps", {"root": str(tmp_path), "ref": ref["path"]})
+    assert all(r["restored"] for r in results)
+    path = os.path.join(tmp_path, "delta")
+    want = perturbed(ref["state"])
+    with ucl.open(path, 3) as ckpt:
+        assert ckpt.kind == "delta"
+        got = ckpt.load(flat=True)
+        # unchanged tensors cost nothing
+        assert sum(1 for a in ckpt.meta.arrays.values() if a.delta["mode"] == "unchanged") > 0
+    assert all(torch.equal(got[n], t) for n, t in want.items())
+    assert ucl.validate(path).ok
+    from ucl.gc import compact
+
+    compact(path, 3)  # the delta step rewritten as a full one, through Checkpoint.array
+    with ucl.open(path, 3) as ckpt:
+        assert ckpt.kind == "full"
+        got = ckpt.load(flat=True)
+    assert all(torch.equal(got[n], t) for n, t in want.items())
+    assert ucl.validate(path).ok
