@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import mmap
 import os
 import shutil
 import sys
@@ -391,9 +390,7 @@ def full_case(c: str, p: dict[str, str], man: dict[str, Any], drop: str) -> tupl
     files = shard_files(p)
     if c.startswith("device"):
         total = sum(-(-os.path.getsize(f) // 4096) * 4096 for f in files)
-        buf = mmap.mmap(-1, total)
-        for i in range(0, total, 1 << 20):  # touch: a warm buffer
-            buf[i : i + 1] = b"\1"
+        buf = C.warm_buffer(total)
     used = cold(p, drop)
     out: Any = None
     t_open = float("nan")

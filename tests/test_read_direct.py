@@ -18,8 +18,8 @@ from ucl.errors import ChecksumError, ShardSizeError
 def _state() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     return {
-        "a": torch.randn(3001, 513, generator=g),  # inner chunks of 145 rows: many, odd-sized
-        "b": torch.randn(700, 300, generator=g).bfloat16(),
+        "a": torch.randn(3001, 513, generator=g),  # 3001 is prime: 3001 inner chunks of one row
+        "b": torch.randn(700, 300, generator=g).bfloat16(),  # inner chunks of 350 rows (210 kB)
         "c": torch.randn(5, generator=g),
         "d": torch.rand(2049, 1025, generator=g) > 0.5,
         "z": torch.zeros(400, 1000).index_fill_(0, torch.arange(0, 400, 3), 2.5),
@@ -68,6 +68,12 @@ def test_direct_reads_are_bit_exact(saved, direct, monkeypatch, segment) -> None
     root, st = saved
     monkeypatch.setattr(boxread, "SEGMENT_BYTES", segment)  # 8192: chunks larger than the bounce buffer
     monkeypatch.setattr(boxread, "_BOUNCE_FREE", [])
+    paths = {"whole": 0, "stream": 0}
+    for f in paths:
+        orig = getattr(boxread, f"_{f}")
+        monkeypatch.setattr(
+            boxread, f"_{f}", lambda *a, f=f, orig=orig: paths.__setitem__(f, paths[f] + 1) or orig(*a)
+        )
     for repo, names in ((root / "r", "abcd"), (root / "rz", "z")):
         with ucl.open(repo) as ck:
             for n in names:
@@ -80,7 +86,8 @@ def test_direct_reads_are_bit_exact(saved, direct, monkeypatch, segment) -> None
             out = {n: torch.empty_like(st[n]) for n in names}
             ck.load_into(out)
             assert all(torch.equal(out[n], st[n]) for n in names)
-    assert direct["direct"] > 0
+    assert direct["direct"] > 0 and paths["whole"] > 0
+    assert (paths["stream"] > 0) == (segment < 210_000)
 
 
 def test_cold_segments_go_direct_and_warm_ones_buffered(saved, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -333,7 +333,7 @@ def _execute_direct(files: StepFiles, group: list[_Chunk], want: int) -> int | N
             return None
         buf = _bounce_get()
         try:
-            if want + 2 * _ALIGN <= len(buf):
+            if want + 2 * _ALIGN <= buf.size:
                 _whole(fd, group, start, end, buf)
                 return want
             crcs = _stream(fd, group, start, end, buf)
@@ -355,10 +355,10 @@ def _check(c: _Chunk, computed: int, stored: int) -> None:
                             tensor=c.meta.name, file=c.key)
 
 
-def _whole(fd: int, group: list[_Chunk], start: int, end: int, buf: mmap.mmap) -> None:
+def _whole(fd: int, group: list[_Chunk], start: int, end: int, buf: _Bounce) -> None:
     """Read a group that fits the bounce buffer in one request; check each chunk there, then copy it
     to its destination or place it from there (no scratch buffer)."""
-    mv = memoryview(buf)
+    mv = buf.mv
     base = start - start % _ALIGN
     got = _pread_direct(fd, mv[: -(-(end - base) // _ALIGN) * _ALIGN], base)
     if base + got < end:
@@ -379,15 +379,15 @@ def _from_memory(group: list[_Chunk], mv: memoryview, base: int) -> None:
             c.place(data)  # type: ignore[misc]
 
 
-def _stream(fd: int, group: list[_Chunk], start: int, end: int, buf: mmap.mmap) -> list[int]:
+def _stream(fd: int, group: list[_Chunk], start: int, end: int, buf: _Bounce) -> list[int]:
     """Read file bytes [start, end) in aligned windows of the bounce buffer, copying each chunk's data
     to its target and its crc to ``c.crc``; returns the crc32c computed over each chunk's data."""
-    mv = memoryview(buf)
+    mv = buf.mv
     crcs = [0] * len(group)
     first = 0  # first chunk not yet complete
     pos = start - start % _ALIGN
     while pos < end:
-        n = min(len(buf), -(-(end - pos) // _ALIGN) * _ALIGN)
+        n = min(buf.size, -(-(end - pos) // _ALIGN) * _ALIGN)
         got = _pread_direct(fd, mv[:n], pos)
         lo, hi = max(pos, start), min(pos + got, end)
         j = first
@@ -433,30 +433,54 @@ def _copy(dst: memoryview, src: memoryview) -> None:
         dst[:] = src
 
 
+class _Bounce:
+    """A reusable O_DIRECT buffer: private anonymous memory, 2 MiB-aligned and backed by huge pages
+    where the kernel allows. Physically contiguous memory lets the block layer build large requests:
+    on this project's virtual disks, 4 MiB requests read ~1.7x faster than the ~0.5 MiB ones that
+    scattered 4 KiB pages (or shared memory) give."""
+
+    HUGE = 2 << 20
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.mm = mmap.mmap(-1, size + self.HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(self.mm, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+            with contextlib.suppress(OSError):
+                self.mm.madvise(mmap.MADV_HUGEPAGE)
+        addr = np.frombuffer(self.mm, dtype=np.uint8).ctypes.data
+        skip = -addr % self.HUGE
+        self.mv = memoryview(self.mm)[skip : skip + size]
+
+    def close(self) -> None:
+        self.mv.release()
+        with contextlib.suppress(BufferError):  # a view still alive (a traceback's): the collector unmaps it
+            self.mm.close()
+
+
 _BOUNCE_LOCK = threading.Lock()
-_BOUNCE_FREE: list[mmap.mmap] = []
+_BOUNCE_FREE: list[_Bounce] = []
 _BOUNCE_KEEP = 8
 
 
-def _bounce_get() -> mmap.mmap:
-    """A page-aligned buffer of SEGMENT_BYTES plus an alignment page at each end, reused across reads
-    (warm memory: touching fresh pages costs more than the copy out of it)."""
+def _bounce_get() -> _Bounce:
+    """A buffer for one segment (SEGMENT_BYTES plus alignment), reused across reads: warm memory,
+    since touching fresh pages costs more than the copy out of it."""
     size = SEGMENT_BYTES + 2 * _ALIGN
     with _BOUNCE_LOCK:
         while _BOUNCE_FREE:
             b = _BOUNCE_FREE.pop()
-            if len(b) == size:
+            if b.size == size:
                 return b
-    return mmap.mmap(-1, size)
+            b.close()
+    return _Bounce(size)
 
 
-def _bounce_put(b: mmap.mmap) -> None:
+def _bounce_put(b: _Bounce) -> None:
     with _BOUNCE_LOCK:
         if len(_BOUNCE_FREE) < _BOUNCE_KEEP:
             _BOUNCE_FREE.append(b)
             return
-    with contextlib.suppress(BufferError):  # a view still alive (a traceback's): the collector unmaps it
-        b.close()
+    b.close()
 
 
 class _CacheStatRange(ctypes.Structure):
