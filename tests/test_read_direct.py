@@ -169,3 +169,25 @@ def test_small_shards_are_read_with_their_index_once(saved) -> None:  # type: ig
     assert torch.equal(out["c"], st["c"])
     ck2 = ucl.open(root / "r")
     assert torch.equal(ck2["c"][...], st["c"]) and ck2.bytes_read == size  # one read: data + index
+
+
+@pytest.mark.parametrize("index", [(slice(None),), (slice(300, 400),), (slice(None), slice(0, 5))])
+def test_an_absent_chunk_is_an_error_on_every_path(tmp_path, monkeypatch, index) -> None:  # type: ignore[no-untyped-def]
+    import numpy as np
+
+    from ucl import _native
+    from ucl.errors import CorruptShardIndexError
+
+    monkeypatch.setattr(ucl.shard, "INNER_TARGET_BYTES", 64 << 10)
+    t = torch.randn(1024, 256)  # 16 inner chunks of 64 rows: whole rows (bulk plan) or a column box
+    ucl.save({"t": t}, tmp_path, step=0)
+    shard = tmp_path / "steps" / "0" / "t" / "c" / "0" / "0"
+    data = bytearray(shard.read_bytes())
+    n = 16 * 16 + 4
+    idx = np.frombuffer(bytes(data[-n:-4]), dtype="<u8").reshape(16, 2).copy()
+    idx[5] = ucl.shard.EMPTY
+    body = idx.tobytes()
+    data[-n:] = body + _native.crc32c(body).to_bytes(4, "little")
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptShardIndexError, match=r"inner chunk \[5, 0\] of tensor 't' is absent"):
+        ucl.open(tmp_path)["t"][index]

@@ -27,7 +27,6 @@ data that was written.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import ctypes
 import errno
@@ -191,8 +190,13 @@ def _plan(files: StepFiles, req: Request) -> list[_Chunk]:
     if any(n == 0 for n in req.shape):
         return []
     out_bytes = as_bytes(out)
-    itemsize = meta.itemsize
     raw_codec = meta.compression is None and meta.delta is None
+    # row slabs: inner chunks split only the first dimension, and the request takes whole rows. Then a
+    # whole inner chunk is one contiguous run of the destination: planned in bulk (a 206 MB embedding
+    # has 1733 of them), only the chunks at the edges of the request take the general path.
+    rows = raw_codec and len(meta.shape) >= 1 and all(
+        meta.inner_chunk_shape[d] == meta.chunk_shape[d] == meta.shape[d] and req.start[d] == 0
+        and req.shape[d] == meta.shape[d] for d in range(1, len(meta.shape)))
     chunks: list[_Chunk] = []
     for shard in _shards_of(meta, req.start, stop):
         key, _ = files.shard(meta, shard)
@@ -204,28 +208,61 @@ def _plan(files: StepFiles, req: Request) -> list[_Chunk]:
             lo = max(0, (req.start[d] - origin[d]) // i)
             hi = min(meta.inner_grid[d], -(-(stop[d] - origin[d]) // i))
             ranges.append(range(lo, hi))
+        if rows:
+            _plan_rows(files, req, stop, key, index, origin, ranges[0], out_bytes, chunks)
+            continue
         for ic in itertools.product(*ranges):
             ordinal = int(np.ravel_multi_index(ic, meta.inner_grid)) if ic else 0
-            off, nb = (int(x) for x in index[ordinal])
-            c_start = [o + c * i for o, c, i in zip(origin, ic, meta.inner_chunk_shape, strict=True)]
-            c_stop = [min(a + i, s) for a, i, s in zip(c_start, meta.inner_chunk_shape, meta.shape, strict=True)]
-            if off == EMPTY:
-                raise CorruptShardIndexError(f"{key}: inner chunk {list(ic)} of tensor {meta.name!r} is absent from "
-                                             "its shard", tensor=meta.name, file=key)
-            # intersection with the request, in array coordinates
-            lo_ = [max(a, b) for a, b in zip(c_start, req.start, strict=True)]
-            hi_ = [min(a, b) for a, b in zip(c_stop, stop, strict=True)]
-            region = [slice(a - s, b - s) for a, b, s in zip(lo_, hi_, req.start, strict=True)]
-            whole = lo_ == c_start and hi_ == c_stop and all(
-                b - a == i for a, b, i in zip(c_start, c_stop, meta.inner_chunk_shape, strict=True))
-            span = _contiguous_span(tuple(req.shape), region) if whole and raw_codec else None
-            if span is not None:
-                chunks.append(_Chunk(meta, key, ic, off, nb, out_bytes[span[0] * itemsize : span[1] * itemsize]))
-            else:
-                src = tuple(slice(a - c, b - c) for a, b, c in zip(lo_, hi_, c_start, strict=True))
-                chunks.append(_Chunk(meta, key, ic, off, nb, None,
-                                     place=_placer(meta, out, tuple(region), src, files, key, ic)))
+            chunks.append(_chunk(files, req, stop, key, index, origin, ic, ordinal, out_bytes, raw_codec))
     return chunks
+
+
+def _plan_rows(files: StepFiles, req: Request, stop: tuple[int, ...], key: str, index: np.ndarray,
+               origin: list[int], ks: range, out_bytes: memoryview, chunks: list[_Chunk]) -> None:
+    """The chunks ``ks`` of a row-slab shard (see ``_plan``): ordinals are the row-chunk numbers."""
+    meta = req.meta
+    i0 = meta.inner_chunk_shape[0]
+    run = math.prod(meta.shape[1:]) * meta.itemsize  # bytes per row
+    offs = index[ks.start : ks.stop, 0]
+    if np.any(offs == EMPTY):
+        k = ks.start + int(np.argmax(offs == EMPTY))  # _chunk raises, naming it
+        _chunk(files, req, stop, key, index, origin, (k,) + (0,) * (len(origin) - 1), k, out_bytes, True)
+    rest = (0,) * (len(origin) - 1)
+    a0, b0, n0 = req.start[0], stop[0], meta.shape[0]
+    for k, off, nb in zip(ks, offs.tolist(), index[ks.start : ks.stop, 1].tolist(), strict=True):
+        a = origin[0] + k * i0
+        b = a + i0
+        if a >= a0 and b <= b0 and b <= n0:
+            d = (a - a0) * run
+            chunks.append(_Chunk(meta, key, (k, *rest), off, nb, out_bytes[d : d + i0 * run]))
+        else:
+            chunks.append(_chunk(files, req, stop, key, index, origin, (k, *rest), k, out_bytes, True))
+
+
+def _chunk(files: StepFiles, req: Request, stop: tuple[int, ...], key: str, index: np.ndarray,
+           origin: list[int], ic: tuple[int, ...], ordinal: int, out_bytes: memoryview,
+           raw_codec: bool) -> _Chunk:
+    """One inner chunk of a request: read in place when its part of the request is the whole chunk and
+    one contiguous run of the destination, else placed from a buffer."""
+    meta = req.meta
+    off, nb = (int(x) for x in index[ordinal])
+    c_start = [o + c * i for o, c, i in zip(origin, ic, meta.inner_chunk_shape, strict=True)]
+    c_stop = [min(a + i, s) for a, i, s in zip(c_start, meta.inner_chunk_shape, meta.shape, strict=True)]
+    if off == EMPTY:
+        raise CorruptShardIndexError(f"{key}: inner chunk {list(ic)} of tensor {meta.name!r} is absent from "
+                                     "its shard", tensor=meta.name, file=key)
+    # intersection with the request, in array coordinates
+    lo_ = [max(a, b) for a, b in zip(c_start, req.start, strict=True)]
+    hi_ = [min(a, b) for a, b in zip(c_stop, stop, strict=True)]
+    region = [slice(a - s, b - s) for a, b, s in zip(lo_, hi_, req.start, strict=True)]
+    whole = lo_ == c_start and hi_ == c_stop and all(
+        b - a == i for a, b, i in zip(c_start, c_stop, meta.inner_chunk_shape, strict=True))
+    span = _contiguous_span(tuple(req.shape), region) if whole and raw_codec else None
+    if span is not None:
+        return _Chunk(meta, key, ic, off, nb, out_bytes[span[0] * meta.itemsize : span[1] * meta.itemsize])
+    src = tuple(slice(a - c, b - c) for a, b, c in zip(lo_, hi_, c_start, strict=True))
+    place = _placer(meta, req.out, tuple(region), src, files, key, ic)
+    return _Chunk(meta, key, ic, off, nb, None, place=place)
 
 
 def _placer(meta: ArrayMeta, out: torch.Tensor, dst: tuple[slice, ...], src: tuple[slice, ...],
@@ -584,59 +621,64 @@ def _covers(meta: ArrayMeta, shard: tuple[int, ...], start: tuple[int, ...], sto
 
 
 class _Prefaulter:
-    """Maps the destinations' missing pages (MADV_POPULATE_WRITE) on side threads while the pool waits
-    for the device: fresh memory is slow to fault in on this kind of machine (a virtual machine whose
-    free pages go back to the host), and populating is cheaper than faulting page by page in the
-    copies. Pages already mapped (``load_into`` a model's tensors) are found with mincore and skipped.
-    Content is never changed, so it can race with the readers."""
+    """Maps the destinations' missing pages on a side thread while the pool waits for the device.
+
+    Fresh memory is slow to fault in on this kind of machine (a virtual machine whose free pages go
+    back to the host): destinations not mapped yet (``load()``'s new tensors) are populated
+    (MADV_POPULATE_WRITE), which is cheaper than faulting page by page in the copies (a medium
+    ``load()``: 1.25 s instead of 2.0 s). Destinations already mapped (``load_into`` a model's tensors)
+    are found with mincore and left alone. Content is never changed, so this can race with the
+    readers. (MADV_HUGEPAGE on the destinations made it 3x slower: synchronous compaction.)"""
 
     STEP = 8 << 20
     MIN_BYTES = 8 << 20  # reads smaller than this are not worth a thread
-    THREADS = 1
     _libc: Any = None
 
     def __init__(self, steps: list[tuple[int, int]]) -> None:
-        self.steps = collections.deque(steps)
+        self.steps = steps
         self._halt = threading.Event()
-        n = min(self.THREADS, len(steps))
-        self.threads = [threading.Thread(target=self._run, name="ucl-prefault", daemon=True)
-                        for _ in range(n)]
-        for t in self.threads:
-            t.start()
+        self.thread = threading.Thread(target=self._run, name="ucl-prefault", daemon=True)
+        self.thread.start()
 
     @classmethod
     def start_for(cls, requests: list[Request]) -> _Prefaulter | None:
         if cls._libc is False or sum(r.out.nbytes for r in requests) < cls.MIN_BYTES:
             return None
-        if cls._libc is None:
-            try:
-                cls._libc = ctypes.CDLL(None, use_errno=True)
-                cls._libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                cls._libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-            except (OSError, AttributeError):
-                cls._libc = False
-                return None
+        libc = cls._load()
+        if libc is None:
+            return None
         page = mmap.PAGESIZE
         steps = []
         for r in requests:
             a, n = r.out.data_ptr(), r.out.nbytes
             lo, hi = -(-a // page) * page, (a + n) // page * page
-            if hi - lo >= cls.STEP:
-                steps += [(x, min(cls.STEP, hi - x)) for x in range(lo, hi, cls.STEP)]
+            if hi - lo < cls.STEP:
+                continue
+            vec = (ctypes.c_ubyte * ((hi - lo) // page))()
+            if libc.mincore(lo, hi - lo, vec) != 0:
+                continue
+            if 0 not in bytes(vec):
+                continue  # every page mapped already
+            steps += [(x, min(cls.STEP, hi - x)) for x in range(lo, hi, cls.STEP)]
         return cls(steps) if steps else None
 
-    def _run(self) -> None:
-        libc, page = self._libc, mmap.PAGESIZE
-        vec = (ctypes.c_ubyte * (self.STEP // page))()
-        while not self._halt.is_set():
+    @classmethod
+    def _load(cls) -> Any:
+        if cls._libc is None:
             try:
-                a, n = self.steps.popleft()
-            except IndexError:
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+                cls._libc = libc
+            except (OSError, AttributeError):
+                cls._libc = False
+        return cls._libc or None
+
+    def _run(self) -> None:
+        libc = self._libc
+        for a, n in self.steps:
+            if self._halt.is_set():
                 return
-            if libc.mincore(a, n, vec) != 0:
-                return
-            if 0 not in bytes(vec)[: n // page]:  # every page mapped already
-                continue
             if libc.madvise(a, n, _MADV_POPULATE_WRITE) != 0:
                 if ctypes.get_errno() == errno.EINVAL:  # kernel < 5.14
                     type(self)._libc = False
@@ -644,8 +686,7 @@ class _Prefaulter:
 
     def stop(self) -> None:
         self._halt.set()
-        for t in self.threads:
-            t.join()
+        self.thread.join()
 
 
 _MADV_POPULATE_WRITE = 23
