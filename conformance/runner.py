@@ -107,11 +107,6 @@ class UclAdapter(Adapter):
 
     name = "ucl"
     expected_failures = {
-        "invalid/integrity/swapped_shards:validate": (
-            "the whole-file crc32c of a shard is a function of its chunk sizes only (every chunk and the "
-            "index end in their own crc32c, and crc32c(x || crc32c(x)) is a constant), so it cannot tell "
-            "equal-sized shards apart; needs a position-binding checksum in the commit record (format change)"
-        ),
         'invalid/integrity/swapped_shards:read:{"tensor":"w"}': (
             "inner-chunk crc32c's do not bind a chunk to its position; see the validate case"
         ),

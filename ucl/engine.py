@@ -35,7 +35,7 @@ from ucl.errors import InvalidArgumentError, StepExistsError, UCLError, WriteErr
 from ucl.metadata import ArrayMeta, CommitRecord, StepMeta
 from ucl.policy import AdaptiveInterval, DeltaPolicy
 from ucl.repo import Repository, check_step, commit_key, step_prefix
-from ucl.shard import encode_shard
+from ucl.shard import encode_shard, shard_digest
 from ucl.writer import StepWriter
 
 ALIGN = 4096
@@ -578,9 +578,10 @@ class CheckpointManager:
                     jobs.append((rel, self._remote_pool().submit(store.write, f"{prefix}/{rel}", buffers), buffers))
         finally:
             first: BaseException | None = None
-            for rel, jid, _keep_alive in jobs:
+            for rel, jid, bufs in jobs:
                 try:
-                    out[rel] = fw.wait(jid) if fw is not None else jid.result()
+                    size = (fw.wait(jid) if fw is not None else jid.result())[0]
+                    out[rel] = (size, shard_digest(bufs))
                 except BaseException as e:  # noqa: BLE001 - reap every job before raising
                     first = first or e
             if first is not None:

@@ -149,6 +149,35 @@ def encode_shard(meta: ArrayMeta, shard: tuple[int, ...], block: torch.Tensor) -
     return buffers
 
 
+def shard_digest(buffers: list[Any]) -> int:
+    """The commit record's checksum of a shard file (spec/core.md §7): crc32c of the 4-byte crc32c's
+    of its inner chunks (index order) and of its index, concatenated.
+
+    A crc32c over the whole file would be useless here: every chunk and the index end in their own
+    crc32c, and crc32c(x || crc32c(x)) is a constant, so it would depend on the chunk sizes only and
+    could not tell two equal-sized shards apart. ``buffers`` is what encode_shard returns: data and crc
+    alternate, the index crc last.
+    """
+    return _native.crc32c(b"".join(bytes(b) for b in buffers[1::2]))
+
+
+def file_digest(data: bytes | memoryview, n_inner: int) -> int:
+    """:func:`shard_digest` of a shard file's bytes (for tools that rewrite shards, e.g. the
+    conformance generator). Entries pointing outside the file are skipped, so any bytes digest."""
+    data = memoryview(data)
+    n = index_nbytes(n_inner)
+    if len(data) < n:
+        return _native.crc32c(data)
+    body = data[len(data) - n : len(data) - 4]
+    crcs = []
+    for i in range(n_inner):
+        off, nb = struct.unpack_from("<QQ", body, 16 * i)
+        if off != EMPTY and 4 <= nb and off + nb <= len(data) - n:
+            crcs.append(bytes(data[off + nb - 4 : off + nb]))
+    crcs.append(bytes(data[len(data) - 4 :]))
+    return _native.crc32c(b"".join(crcs))
+
+
 def _contiguous_span(shape: tuple[int, ...] | torch.Size, region: list[slice]) -> tuple[int, int] | None:
     """(first, last+1) element offsets when ``region`` of a C-contiguous array is one contiguous run."""
     if not region:

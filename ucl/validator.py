@@ -193,19 +193,24 @@ def _check_shard(repo: Repository, step: int, record: CommitRecord, arr: ArrayMe
         _check_presence(arr, coords, index, key)
         return
     with _bytes_of(repo, key, size) as data:
-        if _native.crc32c(data) != crc:
-            raise ChecksumError(f"shard {key} of tensor {arr.name!r} fails its crc32c", tensor=arr.name, file=key)
         index = parse_index(arr, bytes(data[size - n :]), size, key)
         _check_presence(arr, coords, index, key)
+        crcs = []
         for ordinal, (off, nb) in enumerate(index):
             if off == EMPTY:
                 continue
             off, nb = int(off), int(nb)
-            if _native.crc32c(data[off : off + nb - 4]) != _CRC.unpack(data[off + nb - 4 : off + nb])[0]:
+            stored = bytes(data[off + nb - 4 : off + nb])
+            if _native.crc32c(data[off : off + nb - 4]) != _CRC.unpack(stored)[0]:
                 raise ChecksumError(f"shard {key}: an inner chunk at offset {off} of tensor {arr.name!r} fails its crc32c",
                                     tensor=arr.name, file=key)
+            crcs.append(stored)
             if arr.compression is not None:  # a chunk that does not decode is as unreadable as a bad crc
                 decode_chunk(arr, memoryview(bytes(data[off : off + nb - 4])), key, (ordinal,))  # no view of the mmap
+        crcs.append(bytes(data[size - 4 : size]))
+        if _native.crc32c(b"".join(crcs)) != crc:  # binds the chunks to this file (spec/core.md §7)
+            raise ChecksumError(f"shard {key} of tensor {arr.name!r} does not hold the chunks its commit record "
+                                "names (its digest differs: a swapped or replaced shard)", tensor=arr.name, file=key)
         report.bytes_checked += size
 
 

@@ -17,7 +17,7 @@ from ucl import dtypes, metadata, names
 from ucl.errors import CheckpointNotFoundError, InvalidArgumentError, StepExistsError
 from ucl.metadata import ArrayMeta, CommitRecord, StepMeta
 from ucl.repo import Repository, check_step, commit_key, step_prefix
-from ucl.shard import choose_inner_chunk, encode_shard
+from ucl.shard import choose_inner_chunk, encode_shard, shard_digest
 from ucl.storage import Store
 
 FileEntry = tuple[int, int]  # (size, crc32c)
@@ -80,8 +80,9 @@ class StepWriter:
 
     def write_shard(self, meta: ArrayMeta, coords: tuple[int, ...], block: torch.Tensor) -> tuple[str, FileEntry]:
         rel = meta.shard_key(coords)
-        size, crc = self.store.write(f"{self.prefix}/{rel}", encode_shard(meta, coords, block))
-        return rel, (size, crc)
+        buffers = encode_shard(meta, coords, block)
+        size, _ = self.store.write(f"{self.prefix}/{rel}", buffers)
+        return rel, (size, shard_digest(buffers))
 
     def commit(self, meta: StepMeta, files: Mapping[str, FileEntry]) -> CommitRecord:
         entries = dict(files)
