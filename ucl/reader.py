@@ -390,9 +390,8 @@ class Checkpoint:
         for op in ops:
             for sub in op.split(budget):
                 dst = sub.destination()
-                direct = (not sub.add and dst.device.type == "cpu" and dst.is_contiguous()
-                          and dst.dtype == dtypes.to_torch(sub.meta.dtype))
-                c = sub.scratch_bytes() + (0 if direct else sub.nbytes)
+                direct = sub.direct
+                c = sub.cost()
                 if batch and cost + c > budget:
                     flush()
                 cost += c
@@ -442,7 +441,7 @@ class _Op:
     The box and the stored box have the same number of elements; shapes differ only by a flat run
     (a 1-D stored box) or leading 1s."""
 
-    __slots__ = ("meta", "start", "shape", "dest", "view", "box", "add")
+    __slots__ = ("meta", "start", "shape", "dest", "view", "box", "add", "_dst")
 
     def __init__(self, meta: ArrayMeta, stored: Box, dest: torch.Tensor, view: tuple[int, tuple[int, ...]] | None,
                  box: Box, add: bool = False) -> None:
@@ -451,67 +450,80 @@ class _Op:
         self.dest, self.view = dest, view
         self.box = (tuple(box[0]), tuple(box[1]))
         self.add = add
+        self._dst: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.meta.itemsize
 
     def destination(self) -> torch.Tensor:
-        t = self.dest
-        if self.view is not None:
-            off, vshape = self.view
-            t = t.reshape(-1)[off : off + math.prod(vshape)].view(vshape)
-        return t[tuple(slice(a, a + n) for a, n in zip(self.box[0], self.box[1], strict=True))]
+        if self._dst is None:
+            t = self.dest
+            if self.view is not None:
+                off, vshape = self.view
+                t = t.reshape(-1)[off : off + math.prod(vshape)].view(vshape)
+            self._dst = t[tuple(slice(a, a + n) for a, n in zip(self.box[0], self.box[1], strict=True))]
+        return self._dst
+
+    @property
+    def direct(self) -> bool:
+        """Read straight into the destination (one contiguous CPU run of the stored dtype), no temporary."""
+        dst = self.destination()
+        return (not self.add and dst.device.type == "cpu" and dst.is_contiguous()
+                and dst.dtype == dtypes.to_torch(self.meta.dtype))
+
+    def cost(self) -> int:
+        """Bytes this op holds beside its destination while read: its temporary and decode scratch."""
+        return (0 if self.direct else self.nbytes) + self.scratch_bytes()
 
     def scratch_bytes(self) -> int:
-        """An upper bound on the decode scratch the read allocates: inner chunks it reads that are not
-        one contiguous run of the request (none when it is aligned to row slabs of whole inner chunks)."""
+        """An upper bound on the decode scratch of the read: inner chunks that are read whole into the
+        request only when they are whole, unclipped, uncompressed and one contiguous run of it."""
         meta = self.meta
         if not self.shape or not all(self.shape):
             return 0
         inner = meta.inner_chunk_shape
-        touched = math.prod(-(-(a + n) // i) - a // i for a, n, i in zip(self.start, self.shape, inner, strict=True))
+        touched = whole = 1
+        for a, n, i, s in zip(self.start, self.shape, inner, meta.shape, strict=True):
+            lo, hi = a // i, -(-(a + n) // i)
+            touched *= hi - lo
+            first, last = -(-a // i), (a + n) // i  # chunks wholly inside [a, a + n)
+            if last * i > s - s % i and s % i:
+                last = min(last, s // i)  # a clipped last chunk is not whole
+            whole *= max(0, last - first)
         if meta.compression is not None or meta.delta is not None:
-            return touched * meta.inner_nbytes
-        if any(a % i or (a + n) % i for a, n, i in zip(self.start, self.shape, inner, strict=True)):
-            return touched * meta.inner_nbytes  # partial (or clipped) inner chunks
+            whole = 0
         k = max((d for d, (i, n) in enumerate(zip(inner, self.shape, strict=True)) if i < n), default=-1)
-        if all(i == 1 for i in inner[:max(k, 0)]) and all(i == n for i, n in zip(inner[k + 1:], self.shape[k + 1:],
-                                                                                  strict=True)):
-            return 0  # every inner chunk is whole and one contiguous run of the request
-        return touched * meta.inner_nbytes
+        runs = all(i == 1 for i in inner[:max(k, 0)]) and all(
+            i == n for i, n in zip(inner[k + 1:], self.shape[k + 1:], strict=True))
+        return (touched - (whole if runs else 0)) * meta.inner_nbytes
 
     def split(self, budget: int) -> list[_Op]:
         """This op as ops each within ``budget`` bytes (temporary + scratch), split along the first
-        dimension of the stored box that is longer than 1, in row-major order."""
-        cost = self.nbytes + self.scratch_bytes()
-        if cost <= budget or math.prod(self.shape) <= 1:
+        dimension of the stored box longer than 1, at inner-chunk boundaries, in row-major order."""
+        if math.prod(self.shape) <= 1 or self.cost() <= budget:
             return [self]
-        flat_run = len(self.shape) != len(self.box[1]) or self.shape != self.box[1]
-        if flat_run and len(self.shape) == 1:  # a flat run: split the run and its box in row-major order
+        if len(self.shape) == 1 and len(self.box[1]) != 1:  # a flat run into a box: split in row-major order
             return self._split_run(budget)
         d = next(i for i, n in enumerate(self.shape) if n > 1)
-        n = self.shape[d]
-        per = max(1, n * budget // max(cost, 1))
+        a0, n = self.start[d], self.shape[d]
+        inner = self.meta.inner_chunk_shape[d]
+        per = max(1, n * budget // max(self.cost(), 1))
+        per = max(inner, per // inner * inner) if per >= inner else per
+        cuts = [a0, *range((a0 // per + 1) * per, a0 + n, per), a0 + n]
         out: list[_Op] = []
-        lead = len(self.box[1]) - len(self.shape)  # the local box may have extra leading 1s, or fewer
-        for a in range(0, n, per):
-            k = min(per, n - a)
-            st = list(self.start)
-            sh = list(self.shape)
-            st[d] += a
-            sh[d] = k
+        lead = len(self.box[1]) - len(self.shape)  # the box may have more (or fewer) leading 1s
+        for lo, hi in zip(cuts, cuts[1:], strict=False):
+            st, sh = list(self.start), list(self.shape)
+            st[d], sh[d] = lo, hi - lo
             bs, bn = list(self.box[0]), list(self.box[1])
             bd = d + lead
-            if 0 <= bd < len(bn) and bn[bd] == n:
-                bs[bd] += a
-                bn[bd] = k
-            else:  # shapes differ by leading 1s only: the stored leading dim of size n is the box's first >1 dim
-                j = next(i for i, m in enumerate(bn) if m > 1)
-                bs[j] += a
-                bn[j] = k
+            if not (0 <= bd < len(bn) and bn[bd] == n):
+                bd = next(j for j, m in enumerate(bn) if m > 1)
+            bs[bd] += lo - a0
+            bn[bd] = hi - lo
             sub = _Op(self.meta, (tuple(st), tuple(sh)), self.dest, self.view, (tuple(bs), tuple(bn)), self.add)
-            out += sub.split(budget) if k > 1 and sub.nbytes + sub.scratch_bytes() > budget else [sub]
+            out += sub.split(budget) if hi - lo > 1 and sub.cost() > budget else [sub]
         return out
 
     def _split_run(self, budget: int) -> list[_Op]:

@@ -42,9 +42,18 @@ _PLANS: dict[Any, Any] = {}
 
 
 # -- loading -----------------------------------------------------------------------------------------
-def load(path: str | os.PathLike[str] | Store | Checkpoint, step: int | None = None, *, layout: Any = None,
-         mesh: Any = None, rank: int | None = None, tensors: Iterable[str] | None = None, flat: bool = False,
-         storage_options: dict[str, Any] | None = None, buffer_bytes: int | None = None) -> Any:
+def load(
+    path: str | os.PathLike[str] | Store | Checkpoint,
+    step: int | None = None,
+    *,
+    layout: Any = None,
+    mesh: Any = None,
+    rank: int | None = None,
+    tensors: Iterable[str] | None = None,
+    flat: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    buffer_bytes: int | None = None,
+) -> Any:
     """This rank's local state for a target configuration, read from a step saved under any layout.
 
     Parameters
@@ -106,8 +115,15 @@ def _spec_dtype(dtype: torch.dtype) -> str:
     return dtypes.from_torch(dtype)
 
 
-def _load(ckpt: Checkpoint, layout: Any, mesh: Any, rank: int | None, tensors: Iterable[str] | None, flat: bool,
-          buffer_bytes: int | None) -> Any:
+def _load(
+    ckpt: Checkpoint,
+    layout: Any,
+    mesh: Any,
+    rank: int | None,
+    tensors: Iterable[str] | None,
+    flat: bool,
+    buffer_bytes: int | None,
+) -> Any:
     plan = load_plan(ckpt, layout=layout, mesh=mesh, rank=rank, tensors=tensors)
     out = {n: _alloc(n, d, s, zero=n in plan.zero) for n, (s, d) in plan.local.items()}
     ckpt._fill(_ops(ckpt, plan, out), buffer_bytes)
@@ -116,9 +132,17 @@ def _load(ckpt: Checkpoint, layout: Any, mesh: Any, rank: int | None, tensors: I
     return names.unflatten(saveplan.graft(ckpt.meta.tree, list(out)), out)
 
 
-def load_into(path: str | os.PathLike[str] | Store | Checkpoint, state: Mapping[str, Any], *, layout: Any = None,
-              mesh: Any = None, rank: int | None = None, step: int | None = None,
-              storage_options: dict[str, Any] | None = None, buffer_bytes: int | None = None) -> None:
+def load_into(
+    path: str | os.PathLike[str] | Store | Checkpoint,
+    state: Mapping[str, Any],
+    *,
+    layout: Any = None,
+    mesh: Any = None,
+    rank: int | None = None,
+    step: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+    buffer_bytes: int | None = None,
+) -> None:
     """Fill the tensors of ``state`` (this rank's local state for the target configuration) in place.
 
     ``state`` is a (nested) state dict whose tensors are named like the rank's local tensors (as
@@ -138,8 +162,14 @@ def load_into(path: str | os.PathLike[str] | Store | Checkpoint, state: Mapping[
         _load_into(ckpt, state, layout, mesh, rank, buffer_bytes)
 
 
-def _load_into(ckpt: Checkpoint, state: Mapping[str, Any], layout: Any, mesh: Any, rank: int | None,
-               buffer_bytes: int | None) -> None:
+def _load_into(
+    ckpt: Checkpoint,
+    state: Mapping[str, Any],
+    layout: Any,
+    mesh: Any,
+    rank: int | None,
+    buffer_bytes: int | None,
+) -> None:
     tensors, _ = names.flatten(state)
     selection: list[str] | None = None
     if isinstance(layout, str) and layout == "dtensor":
@@ -163,12 +193,18 @@ def _load_into(ckpt: Checkpoint, state: Mapping[str, Any], layout: Any, mesh: An
     plan = load_plan(ckpt, layout=layout, mesh=mesh, rank=rank, tensors=selection)
     for n, t in tensors.items():
         if n not in plan.local:
-            raise TensorNotFoundError(f"{n!r} is not a tensor of rank {rank} under the target layout "
-                                      f"(it holds {_some(plan.local)})", tensor=n)
+            raise TensorNotFoundError(
+                f"{n!r} is not a tensor of rank {rank} under the target layout "
+                f"(it holds {_some(plan.local)})",
+                tensor=n,
+            )
         want = tuple(plan.local[n][0])
         if tuple(t.shape) != want:
-            raise LayoutShapeError(f"destination {n!r} has shape {list(t.shape)}; the target layout gives this rank "
-                                   f"{list(want)}", tensor=n)
+            raise LayoutShapeError(
+                f"destination {n!r} has shape {list(t.shape)}; the target layout gives this rank "
+                f"{list(want)}",
+                tensor=n,
+            )
     with torch.no_grad():
         for n in plan.zero:
             if n in tensors:
@@ -176,8 +212,9 @@ def _load_into(ckpt: Checkpoint, state: Mapping[str, Any], layout: Any, mesh: An
     dest = dict(tensors)
     for it in plan.items:
         if it.local_view is not None and it.local_name in dest and not dest[it.local_name].is_contiguous():
-            raise InvalidArgumentError(f"flat buffer {it.local_name!r} must be a contiguous tensor",
-                                       tensor=it.local_name)
+            raise InvalidArgumentError(
+                f"flat buffer {it.local_name!r} must be a contiguous tensor", tensor=it.local_name
+            )
     ckpt._fill(_ops(ckpt, plan, dest), buffer_bytes)
 
 
@@ -202,12 +239,29 @@ def _from_dtensors(tensors: Mapping[str, torch.Tensor]) -> tuple[Any, Any, int, 
 
 def _ops(ckpt: Checkpoint, plan: Any, dest: Mapping[str, torch.Tensor]) -> list[_Op]:
     arrays = ckpt.meta.arrays
-    return [_Op(arrays[it.array], it.stored_box, dest[it.local_name], it.local_view, it.local_box, it.reduce == "sum")
-            for it in plan.items if it.local_name in dest]
+    return [
+        _Op(
+            arrays[it.array],
+            it.stored_box,
+            dest[it.local_name],
+            it.local_view,
+            it.local_box,
+            it.reduce == "sum",
+        )
+        for it in plan.items
+        if it.local_name in dest
+    ]
 
 
-def load_plan(ckpt: Checkpoint | str | os.PathLike[str] | Store, *, layout: Any, mesh: Any = None,
-              rank: int | None = None, tensors: Iterable[str] | None = None, step: int | None = None) -> Any:
+def load_plan(
+    ckpt: Checkpoint | str | os.PathLike[str] | Store,
+    *,
+    layout: Any,
+    mesh: Any = None,
+    rank: int | None = None,
+    tensors: Iterable[str] | None = None,
+    step: int | None = None,
+) -> Any:
     """The :class:`ucl.layout.LoadPlan` of a target rank (pure planning, cached per step and target):
     ``local`` (what the rank holds: name -> (shape, dtype)), ``zero`` and ``items`` (the stored boxes it
     reads, each with its destination box)."""
@@ -234,7 +288,10 @@ def load_plan(ckpt: Checkpoint | str | os.PathLike[str] | Store, *, layout: Any,
 def _fingerprint(ckpt: Checkpoint) -> str:
     fp = getattr(ckpt, "_fingerprint", None)
     if fp is None:
-        doc = [[n, list(m.shape), m.dtype, list(m.chunk_shape), m.logical or {}] for n, m in sorted(ckpt.meta.arrays.items())]
+        doc = [
+            [n, list(m.shape), m.dtype, list(m.chunk_shape), m.logical or {}]
+            for n, m in sorted(ckpt.meta.arrays.items())
+        ]
         fp = hashlib.sha1(json.dumps(doc, sort_keys=True).encode()).hexdigest()
         ckpt._fingerprint = fp  # type: ignore[attr-defined]
     return fp
@@ -251,14 +308,22 @@ def _target_rank(mesh: Any, rank: int | None) -> int:
         return int(dist.get_rank())
     if mesh.size == 1:
         return 0
-    raise MeshMismatchError(f"the mesh {mesh.to_text()} has {mesh.size} ranks: pass rank= (or run under "
-                            "torch.distributed)")
+    raise MeshMismatchError(
+        f"the mesh {mesh.to_text()} has {mesh.size} ranks: pass rank= (or run under torch.distributed)"
+    )
 
 
 # -- saving from one process ---------------------------------------------------------------------------
-def save_sharded(states: Sequence[Mapping[str, Any]], path: str | os.PathLike[str] | Store, step: int, *,
-                 layout: Any, mesh: Any = None, storage_options: dict[str, Any] | None = None,
-                 compression: str | None = None) -> CommitRecord:
+def save_sharded(
+    states: Sequence[Mapping[str, Any]],
+    path: str | os.PathLike[str] | Store,
+    step: int,
+    *,
+    layout: Any,
+    mesh: Any = None,
+    storage_options: dict[str, Any] | None = None,
+    compression: str | None = None,
+) -> CommitRecord:
     """Write one step from the local states of every rank of (layout, mesh), in one process (states[r] is
     rank r's): e.g. to convert per-rank checkpoints of a parallel job. The same step a distributed
     :class:`ucl.engine.CheckpointManager` save writes. Every check runs before any byte is written."""
@@ -286,13 +351,30 @@ def save_sharded(states: Sequence[Mapping[str, Any]], path: str | os.PathLike[st
             rel, entry = w.write_shard(lw.array, lw.coords, block)
             files[rel] = entry
     tree = saveplan.graft(flat[0][1], plans[0].logical)
-    return w.commit(StepMeta(step=step, kind="full", tree=tree, arrays=plans[0].arrays, layout=plans[0].layout,
-                             mesh=plans[0].mesh), files)
+    return w.commit(
+        StepMeta(
+            step=step,
+            kind="full",
+            tree=tree,
+            arrays=plans[0].arrays,
+            layout=plans[0].layout,
+            mesh=plans[0].mesh,
+        ),
+        files,
+    )
 
 
-def save_local(state: Mapping[str, Any], path: str | os.PathLike[str] | Store, step: int, *, layout: Any,
-               mesh: Any = None, rank: int = 0, storage_options: dict[str, Any] | None = None,
-               compression: str | None = None) -> CommitRecord:
+def save_local(
+    state: Mapping[str, Any],
+    path: str | os.PathLike[str] | Store,
+    step: int,
+    *,
+    layout: Any,
+    mesh: Any = None,
+    rank: int = 0,
+    storage_options: dict[str, Any] | None = None,
+    compression: str | None = None,
+) -> CommitRecord:
     """``ucl.save(state, path, step, layout=, mesh=)``: one process saving under a layout (world 1: the
     mesh must have one rank, whose local state ``state`` is)."""
     from ucl.layout import as_layout, as_mesh
@@ -300,9 +382,11 @@ def save_local(state: Mapping[str, Any], path: str | os.PathLike[str] | Store, s
     lay = as_layout(layout)
     m = as_mesh(mesh, lay)
     if m.size != 1 or rank != 0:
-        raise MeshMismatchError(f"ucl.save writes a step from one process: the mesh {m.to_text()} has {m.size} "
-                                "ranks (save from every rank with CheckpointManager, or pass every rank's state to "
-                                "ucl.reshard.save_sharded)")
-    return save_sharded([state], path, step, layout=lay, mesh=m, storage_options=storage_options,
-                        compression=compression)
-
+        raise MeshMismatchError(
+            f"ucl.save writes a step from one process: the mesh {m.to_text()} has {m.size} "
+            "ranks (save from every rank with CheckpointManager, or pass every rank's state to "
+            "ucl.reshard.save_sharded)"
+        )
+    return save_sharded(
+        [state], path, step, layout=lay, mesh=m, storage_options=storage_options, compression=compression
+    )

@@ -25,15 +25,16 @@ from ucl.writer import all_shards, array_for
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
-# Inner chunks of a layout array are split along its first dimension and along each dimension the layout
-# shards (over any axis, even of size 1) into up to SPLIT pieces (of at least MIN_INNER_BYTES, and runs
-# of at least MIN_RUN_BYTES along a trailing dimension), so that a reader with another split of those
-# dimensions (2x, 4x, 8x finer or coarser; rows <-> columns of a column-sharded array) reads whole inner
-# chunks only: bytes read ~ bytes needed (bench/reshard.py). Splitting the first dimension keeps inner
-# chunks contiguous in the writer's block; splitting a trailing one costs a copy when the shard is encoded.
+# Inner chunks of a layout array are split along its first dimension and, for a tensor its rule shards
+# (over any axis, even of size 1), along every dimension, into up to SPLIT pieces each (of at least
+# MIN_INNER_BYTES, with runs of at least MIN_RUN_BYTES along trailing dimensions), so that a reader with
+# another split (2x, 4x, 8x finer or coarser, rows <-> columns) reads whole inner chunks only: bytes read
+# ~ bytes needed (bench/reshard.py). Splitting the first dimension keeps inner chunks contiguous in the
+# writer's block; splitting a trailing one costs the writer a copy of each inner chunk when it encodes
+# the shard (~3-4 GB/s for chunks <= 1 MiB here); an O_DIRECT reader copies out of its bounce buffer anyway.
 SPLIT = 8
-MIN_INNER_BYTES = 64 << 10
-MIN_RUN_BYTES = 512
+MIN_INNER_BYTES = 32 << 10
+MIN_RUN_BYTES = 256
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,9 @@ def single(tensors: dict[str, torch.Tensor], compression: dict[str, Any] | None 
     return SavePlan(arrays, [LocalWrite(a, c, n) for n, a in arrays.items() for c in all_shards(a)])
 
 
-def replicated(tensors: dict[str, torch.Tensor], rank: int, world: int,
-               compression: dict[str, Any] | None = None) -> SavePlan:
+def replicated(
+    tensors: dict[str, torch.Tensor], rank: int, world: int, compression: dict[str, Any] | None = None
+) -> SavePlan:
     """Every rank holds the same tensors: each is written by one rank, bytes balanced (largest first)."""
     arrays = {n: array_for(n, t, compression=compression) for n, t in tensors.items()}
     load = [0] * world
@@ -91,8 +93,13 @@ def local_shapes(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[i
     return {n: (tuple(t.shape), dtypes.from_torch(t.dtype)) for n, t in tensors.items()}
 
 
-def plan_rank(layout: Any, mesh: Any, rank: int, local: Mapping[str, tuple[tuple[int, ...], str]],
-              all_local: Sequence[Mapping[str, tuple[tuple[int, ...], str]]] | None = None) -> Any:
+def plan_rank(
+    layout: Any,
+    mesh: Any,
+    rank: int,
+    local: Mapping[str, tuple[tuple[int, ...], str]],
+    all_local: Sequence[Mapping[str, tuple[tuple[int, ...], str]]] | None = None,
+) -> Any:
     """``ucl.layout.plan_save`` for one rank, the logical shapes of uneven splits inferred from the local
     shapes of every rank (``all_local``, by rank) when given. Raises the layout's errors (nothing written)."""
     from ucl.layout import infer_shapes, plan_save
@@ -103,8 +110,7 @@ def plan_rank(layout: Any, mesh: Any, rank: int, local: Mapping[str, tuple[tuple
 
 def inner_chunk_for(spec: Any, split: Sequence[int] = ()) -> tuple[int, ...]:
     """The inner chunk of a layout array: :func:`ucl.shard.choose_inner_chunk` of its chunk (the rank's
-    block), after splitting its first dimension and the dimensions ``split`` (those the layout shards)
-    into up to SPLIT pieces each."""
+    block), after splitting its first dimension and the dimensions ``split`` into up to SPLIT pieces each."""
     block = tuple(max(1, c) for c in spec.chunk_shape)
     itemsize = dtypes.itemsize(spec.dtype)
     pre = list(block)
@@ -113,7 +119,7 @@ def inner_chunk_for(spec: Any, split: Sequence[int] = ()) -> tuple[int, ...]:
         for k in range(SPLIT, 1, -1):
             if block[d] % k:
                 continue
-            cand = [*pre[:d], block[d] // k, *pre[d + 1:]]
+            cand = [*pre[:d], block[d] // k, *pre[d + 1 :]]
             if math.prod(cand) * itemsize < MIN_INNER_BYTES:
                 continue
             if d > 0 and math.prod(cand[d:]) * itemsize < MIN_RUN_BYTES:
@@ -123,9 +129,10 @@ def inner_chunk_for(spec: Any, split: Sequence[int] = ()) -> tuple[int, ...]:
     return choose_inner_chunk(tuple(pre), itemsize)
 
 
-def split_dims(layout_json: Mapping[str, Any], mesh_json: Mapping[str, Any],
-               specs: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """The dimensions of each tile array (a tensor stored under its own name) that its rule shards."""
+def split_dims(
+    layout_json: Mapping[str, Any], mesh_json: Mapping[str, Any], specs: Mapping[str, Any]
+) -> dict[str, tuple[int, ...]]:
+    """For each tile array (a tensor stored under its own name) whose rule shards it: its dimensions."""
     from ucl.layout import Layout, Mesh
     from ucl.layout.resolve import Resolver
     from ucl.layout.transforms import make_tile
@@ -134,7 +141,9 @@ def split_dims(layout_json: Mapping[str, Any], mesh_json: Mapping[str, Any],
     res = Resolver(layout, mesh)
     out: dict[str, tuple[int, ...]] = {}
     for name, spec in specs.items():
-        info = (spec.logical or {}).get("tensors", {}).get(name) if spec.logical else {"shape": list(spec.shape)}
+        info = (
+            (spec.logical or {}).get("tensors", {}).get(name) if spec.logical else {"shape": list(spec.shape)}
+        )
         if info is None:
             continue  # a flat buffer
         try:
@@ -143,27 +152,38 @@ def split_dims(layout_json: Mapping[str, Any], mesh_json: Mapping[str, Any],
         except Exception:  # noqa: BLE001 - a hint only
             continue
         lead = 1 if tile.partial else 0
-        out[name] = tuple(d + lead for d, plan in enumerate(tile.dims) if plan.splits)
+        if any(plan.splits for plan in tile.dims):
+            out[name] = tuple(d + lead for d in range(len(tile.dims)))
     return out
 
 
-def meta_for_spec(spec: Any, compression: dict[str, Any] | None = None, split: Sequence[int] = ()) -> ArrayMeta:
+def meta_for_spec(
+    spec: Any, compression: dict[str, Any] | None = None, split: Sequence[int] = ()
+) -> ArrayMeta:
     """The stored-array metadata of a layout array (``ucl.layout.ArraySpec``)."""
-    return ArrayMeta(name=names.check_name(spec.name), shape=tuple(spec.shape), dtype=spec.dtype,
-                     chunk_shape=tuple(max(1, c) for c in spec.chunk_shape),
-                     inner_chunk_shape=inner_chunk_for(spec, split), compression=compression,
-                     logical=dict(spec.logical) if spec.logical else None)
+    return ArrayMeta(
+        name=names.check_name(spec.name),
+        shape=tuple(spec.shape),
+        dtype=spec.dtype,
+        chunk_shape=tuple(max(1, c) for c in spec.chunk_shape),
+        inner_chunk_shape=inner_chunk_for(spec, split),
+        compression=compression,
+        logical=dict(spec.logical) if spec.logical else None,
+    )
 
 
 def spec_for_meta(meta: ArrayMeta) -> Any:
     """The ``ucl.layout.ArraySpec`` of a stored array (its logical record; ``{}`` for a plain array)."""
     from ucl.layout import ArraySpec
 
-    return ArraySpec(meta.name, tuple(meta.shape), meta.dtype, tuple(meta.chunk_shape), dict(meta.logical or {}))
+    return ArraySpec(
+        meta.name, tuple(meta.shape), meta.dtype, tuple(meta.chunk_shape), dict(meta.logical or {})
+    )
 
 
-def from_layout(rank_plan: Any, arrays: Mapping[str, Any] | None = None,
-                compression: dict[str, Any] | None = None) -> SavePlan:
+def from_layout(
+    rank_plan: Any, arrays: Mapping[str, Any] | None = None, compression: dict[str, Any] | None = None
+) -> SavePlan:
     """The engine's plan from a rank's ``ucl.layout.SavePlan``.
 
     ``arrays``: the merged arrays of every rank (``ucl.layout.merge_plans``; the coordinator records
@@ -179,10 +199,20 @@ def from_layout(rank_plan: Any, arrays: Mapping[str, Any] | None = None,
         meta = metas[w.array.name]
         origin = tuple(i * c for i, c in zip(w.chunk_index, meta.chunk_shape, strict=True))
         region = tuple(min(c, n - o) for c, n, o in zip(meta.chunk_shape, meta.shape, origin, strict=True))
-        rel: Box = (tuple(s - o for s, o in zip(w.stored_box[0], origin, strict=True)), tuple(w.stored_box[1]))
+        rel: Box = (
+            tuple(s - o for s, o in zip(w.stored_box[0], origin, strict=True)),
+            tuple(w.stored_box[1]),
+        )
         whole = rel == (tuple(0 for _ in region), region) and tuple(w.local_box[1]) == region
-        writes.append(LocalWrite(meta, tuple(w.chunk_index), w.local_name,
-                                 (tuple(w.local_box[0]), tuple(w.local_box[1])), None if whole else rel))
+        writes.append(
+            LocalWrite(
+                meta,
+                tuple(w.chunk_index),
+                w.local_name,
+                (tuple(w.local_box[0]), tuple(w.local_box[1])),
+                None if whole else rel,
+            )
+        )
     logical = tuple(logical_tensors(specs)) if arrays is not None else ()
     return SavePlan(metas, writes, dict(rank_plan.layout_json), dict(rank_plan.mesh_json), logical)
 
@@ -239,6 +269,7 @@ def graft(tree: Mapping[str, Any] | None, tensor_names: Sequence[str]) -> dict[s
     root = _strip(dict(tree)) if tree else None
     if root is None or root.get("t") != "dict":
         root = {"t": "dict", "items": []}
+    root = _nest(root)
     for name in tensor_names:
         leaf = {"t": _TENSOR, "name": name}
         if not _insert(root, name.split("/"), leaf):
@@ -246,6 +277,28 @@ def graft(tree: Mapping[str, Any] | None, tensor_names: Sequence[str]) -> dict[s
                 raise ValueError(f"tensor {name!r} cannot be placed in the structure tree")
             root["items"].append([name, leaf])
     return root
+
+
+def _nest(node: dict[str, Any]) -> dict[str, Any]:
+    """Values under keys holding "/" (a flat state: ``{"optim/step": 2}``) moved to the path the "/" give,
+    as tensor names are; kept where they are when that path is taken."""
+    if node.get("t") in ("list", "tuple"):
+        return {"t": node["t"], "items": [_nest(v) for v in node["items"]]}
+    if node.get("t") != "dict":
+        return node
+    out: dict[str, Any] = {"t": "dict", "items": []}
+    later = []
+    for k, v in node["items"]:
+        v = _nest(v)
+        if isinstance(k, str) and "/" in k:
+            later.append((k, v))
+        else:
+            out["items"].append([k, v])
+    for k, v in later:
+        segs = k.split("/")
+        if "" in segs or not _insert(out, segs, v):
+            out["items"].append([k, v])
+    return out
 
 
 def _insert(root: dict[str, Any], segs: list[str], leaf: dict[str, Any]) -> bool:
@@ -287,4 +340,3 @@ def _insert(root: dict[str, Any], segs: list[str], leaf: dict[str, Any]) -> bool
         else:
             return False
     return True
-

@@ -35,7 +35,9 @@ def save_sources(rank: int, world: int, root: str, ref: str, load_targets: bool 
             continue
         path = os.path.join(root, _name(cfg))
         state = _local(reference, cfg, rank)
-        with CheckpointManager(path, layout=layout_text(tp=tp, pp=pp, dp=dp), mesh=f"pp={pp} dp={dp} tp={tp}") as mgr:
+        with CheckpointManager(
+            path, layout=layout_text(tp=tp, pp=pp, dp=dp), mesh=f"pp={pp} dp={dp} tp={tp}"
+        ) as mgr:
             mgr.save(reference["step"], state).result()
             plan = next(iter(mgr._plans.values()))
             back = mgr.restore()
@@ -43,9 +45,13 @@ def save_sources(rank: int, world: int, root: str, ref: str, load_targets: bool 
         want = _flat(state)
         out["saved"][_name(cfg)] = {
             "writes": sorted(f"{w.array.name}@{list(w.coords)}" for w in plan.writes),
-            "restored": sorted(flat_back) == sorted(want) and all(
-                torch.equal(flat_back[n], want[n]) if isinstance(want[n], torch.Tensor) else flat_back[n] == want[n]
-                for n in want),
+            "restored": sorted(flat_back) == sorted(want)
+            and all(
+                torch.equal(flat_back[n], want[n])
+                if isinstance(want[n], torch.Tensor)
+                else flat_back[n] == want[n]
+                for n in want
+            ),
         }
     if not load_targets:
         return out
@@ -117,24 +123,46 @@ def dtensor_roundtrip(rank: int, world: int, root: str) -> dict[str, Any]:
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     g = torch.Generator().manual_seed(0)
-    full = {"w": torch.randn(7, 10, generator=g), "v": torch.randn(12, 6, generator=g),
-            "b": torch.randn(5, generator=g), "n": torch.randn(3, 3, generator=g)}
-    src = {"model": {"w": distribute_tensor(full["w"], mesh, [Shard(0)]),
-                     "v": distribute_tensor(full["v"], mesh, [Shard(1)]),
-                     "b": distribute_tensor(full["b"], mesh, [Replicate()]),
-                     "n": full["n"].clone()}, "step": 3}
+    full = {
+        "w": torch.randn(7, 10, generator=g),
+        "v": torch.randn(12, 6, generator=g),
+        "b": torch.randn(5, generator=g),
+        "n": torch.randn(3, 3, generator=g),
+    }
+    src = {
+        "model": {
+            "w": distribute_tensor(full["w"], mesh, [Shard(0)]),
+            "v": distribute_tensor(full["v"], mesh, [Shard(1)]),
+            "b": distribute_tensor(full["b"], mesh, [Replicate()]),
+            "n": full["n"].clone(),
+        },
+        "step": 3,
+    }
     path = os.path.join(root, "dtensor")
     with CheckpointManager(path, layout="dtensor") as mgr:
         mgr.save(3, src).result()
-    dst = {"model": {"w": distribute_tensor(torch.zeros(7, 10), mesh, [Shard(1)]),
-                     "v": distribute_tensor(torch.zeros(12, 6), mesh, [Shard(0)]),
-                     "b": distribute_tensor(torch.zeros(5), mesh, [Shard(0)]),
-                     "n": torch.zeros(3, 3)}}
+    dst = {
+        "model": {
+            "w": distribute_tensor(torch.zeros(7, 10), mesh, [Shard(1)]),
+            "v": distribute_tensor(torch.zeros(12, 6), mesh, [Shard(0)]),
+            "b": distribute_tensor(torch.zeros(5), mesh, [Shard(0)]),
+            "n": torch.zeros(3, 3),
+        }
+    }
     ucl.load_into(path, dst, layout="dtensor")
-    ok = {k: bool(torch.equal(dst["model"][k].full_tensor() if hasattr(dst["model"][k], "full_tensor")
-                              else dst["model"][k], full[k])) for k in full}
+    ok = {
+        k: bool(
+            torch.equal(
+                dst["model"][k].full_tensor() if hasattr(dst["model"][k], "full_tensor") else dst["model"][k],
+                full[k],
+            )
+        )
+        for k in full
+    }
     logical = ucl.load(path, flat=True)
-    ok["logical"] = all(torch.equal(logical[f"model/{k}"], full[k]) for k in full) and ucl.open(path).layout is not None
+    ok["logical"] = (
+        all(torch.equal(logical[f"model/{k}"], full[k]) for k in full) and ucl.open(path).layout is not None
+    )
     return ok
 
 
@@ -154,5 +182,8 @@ def delta_steps(rank: int, world: int, root: str, ref: str) -> dict[str, Any]:
         mgr.save(3, _local(nxt, cfg, rank)).result()
         back = _flat(mgr.restore(3))
     want = _flat(_local(nxt, cfg, rank))
-    return {"restored": all(torch.equal(back[n], t) if isinstance(t, torch.Tensor) else back[n] == t
-                            for n, t in want.items())}
+    return {
+        "restored": all(
+            torch.equal(back[n], t) if isinstance(t, torch.Tensor) else back[n] == t for n, t in want.items()
+        )
+    }

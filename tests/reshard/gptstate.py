@@ -29,14 +29,15 @@ def _q(name: str) -> str:
     return json.dumps(name)
 
 
-def layout_text(c: gpt.GPTConfig = CONFIG, *, tp: int = 1, pp: int = 1, dp: int = 1,
-                vocab_multiple: int = VOCAB_MULTIPLE) -> str:
+def layout_text(
+    c: gpt.GPTConfig = CONFIG, *, tp: int = 1, pp: int = 1, dp: int = 1, vocab_multiple: int = VOCAB_MULTIPLE
+) -> str:
     """The layout of the GPT's state: "model/<param>", "optim/state/<param>/<exp_avg|exp_avg_sq>", and with
     dp > 1 ZeRO flat buffers "optim/flat/<state>" (one per pipeline stage) in place of the latter."""
     hd = c.head_dim
 
     def both(p: str) -> str:
-        return f'{_q("**" + p)}, {_q("**" + p + "/*")}'
+        return f"{_q('**' + p)}, {_q('**' + p + '/*')}"
 
     vocab = f"size(0, {c.vocab}), pad(0, {vocab_multiple}*tp), shard(0, tp)"
     lines = [
@@ -63,9 +64,9 @@ def layout_text(c: gpt.GPTConfig = CONFIG, *, tp: int = 1, pp: int = 1, dp: int 
                     if not lo <= i < hi:
                         continue
                     name = f"layers.{i - lo}." + name.split(".", 2)[2]
-                elif name.startswith("embedding.") and s != 0:
-                    continue
-                elif name.startswith(("final_norm.", "lm_head.")) and s != pp - 1:
+                elif (name.startswith("embedding.") and s != 0) or (
+                    name.startswith(("final_norm.", "lm_head.")) and s != pp - 1
+                ):
                     continue
                 members.append(f"  {_q('model/' + name)} {list(shape)},")
             on = f" on pp={s}" if pp > 1 else ""
@@ -118,15 +119,19 @@ def flatten(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def restore(state: dict[str, torch.Tensor], step: int, seed: int = 0) -> tuple[gpt.GPT, torch.optim.Optimizer]:
+def restore(
+    state: dict[str, torch.Tensor], step: int, seed: int = 0
+) -> tuple[gpt.GPT, torch.optim.Optimizer]:
     """A model and optimizer holding a logical state (flat names)."""
     model, opt = gpt.make_model_and_optimizer(CONFIG, seed=seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(state[f"model/{name}"])
-            opt.state[p] = {"step": torch.tensor(float(step)),
-                            "exp_avg": state[f"optim/state/model/{name}/exp_avg"].clone(),
-                            "exp_avg_sq": state[f"optim/state/model/{name}/exp_avg_sq"].clone()}
+            opt.state[p] = {
+                "step": torch.tensor(float(step)),
+                "exp_avg": state[f"optim/state/model/{name}/exp_avg"].clone(),
+                "exp_avg_sq": state[f"optim/state/model/{name}/exp_avg_sq"].clone(),
+            }
     return model, opt
 
 
@@ -149,5 +154,7 @@ def next_loss(state: dict[str, torch.Tensor], step: int) -> float:
 
 
 def digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16] + \
-        f":{list(t.shape)}:{t.dtype}"
+    return (
+        hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+        + f":{list(t.shape)}:{t.dtype}"
+    )

@@ -27,15 +27,25 @@ def _no_step_files(path: str) -> bool:
     return listed in ([], ["zarr.json"]) and (not os.path.isdir(commits) or not os.listdir(commits))
 
 
-def test_bad_layouts_fail_on_every_rank_before_any_byte_is_written(tmp_path: Any, ref: dict[str, Any]) -> None:
+def test_bad_layouts_fail_on_every_rank_before_any_byte_is_written(
+    tmp_path: Any, ref: dict[str, Any]
+) -> None:
     results = dist.run(2, "tests.reshard.cases:bad_layouts", {"root": str(tmp_path), "ref": ref["path"]})
-    expect = {"unmatched": "pattern_unmatched", "overlap": "rules_overlap", "fused_size": "layout_shape_mismatch",
-              "rank_shape": "layout_shape_mismatch", "mesh_world": "mesh_mismatch", "mesh_axis": "mesh_mismatch"}
+    expect = {
+        "unmatched": "pattern_unmatched",
+        "overlap": "rules_overlap",
+        "fused_size": "layout_shape_mismatch",
+        "rank_shape": "layout_shape_mismatch",
+        "mesh_world": "mesh_mismatch",
+        "mesh_axis": "mesh_mismatch",
+    }
     for rank, r in enumerate(results):
         assert {case: out["error"] for case, out in r.items()} == expect, rank
     assert "**nonexistent.weight" in results[0]["unmatched"]["message"]
     assert "matches rule 2" in results[0]["overlap"]["message"]
-    assert "[64, 33]" in results[1]["rank_shape"]["message"]  # rank 0's view of rank 1's tensor, on rank 1 too
+    assert (
+        "[64, 33]" in results[1]["rank_shape"]["message"]
+    )  # rank 0's view of rank 1's tensor, on rank 1 too
     assert "world has 2" in results[0]["mesh_world"]["message"]
     for case in expect:
         if case == "rank_shape":

@@ -107,10 +107,12 @@ def test_multiprocess_loads_agree(saved: dict[str, Any], ref: dict[str, Any]) ->
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize(("src", "tgt"), [((2, 2, 1), (1, 1, 2)), ((1, 1, 2), (4, 1, 1))],
-                         ids=["tp2pp2-to-dp2", "dp2-to-tp4"])
-def test_resharded_ranks_reassembled_resume_training(saved: dict[str, Any], ref: dict[str, Any], src: Any,
-                                                      tgt: Any) -> None:
+@pytest.mark.parametrize(
+    ("src", "tgt"), [((2, 2, 1), (1, 1, 2)), ((1, 1, 2), (4, 1, 1))], ids=["tp2pp2-to-dp2", "dp2-to-tp4"]
+)
+def test_resharded_ranks_reassembled_resume_training(
+    saved: dict[str, Any], ref: dict[str, Any], src: Any, tgt: Any
+) -> None:
     """Load every rank of another config (ZeRO flat buffers, padded vocabulary shards), reassemble with
     unshard, resume: the same next loss as the uninterrupted run."""
     layout, mesh = layout_of(*tgt), mesh_of(*tgt)
@@ -146,8 +148,11 @@ def test_zarr_view_presents_logical_tensors(saved: dict[str, Any], ref: dict[str
 
     with ucl.zarr_store.ZarrStore(_path(saved, (2, 2, 1))) as store:
         group = zarr.open_group(store, mode="r")
-        for n in ["model/embedding.word_embeddings.weight", "model/layers.1.attention.qkv.weight",
-                  "optim/state/model/layers.0.mlp.gate_up.weight/exp_avg_sq"]:
+        for n in [
+            "model/embedding.word_embeddings.weight",
+            "model/layers.1.attention.qkv.weight",
+            "optim/state/model/layers.0.mlp.gate_up.weight/exp_avg_sq",
+        ]:
             a = group[n]
             assert a.shape == tuple(ref["state"][n].shape)
             assert np.array_equal(a[...], ref["state"][n].numpy())

@@ -36,8 +36,13 @@ def _full(**shapes: tuple[int, ...]) -> dict[str, torch.Tensor]:
 
 
 def _save(path: Any, full: dict[str, torch.Tensor], layout: Any, mesh: Mesh, step: int = 0) -> None:
-    save_sharded([shard_local_state(full, layout, mesh, r) for r in range(mesh.size)], path, step,
-                 layout=layout, mesh=mesh)
+    save_sharded(
+        [shard_local_state(full, layout, mesh, r) for r in range(mesh.size)],
+        path,
+        step,
+        layout=layout,
+        mesh=mesh,
+    )
 
 
 def _check_all(path: Any, full: dict[str, torch.Tensor], layout: Any, mesh: Mesh, **kw: Any) -> None:
@@ -53,11 +58,15 @@ def _index_bytes(ckpt: Any) -> int:
     return sum(index_nbytes(a.n_inner) * math.prod(a.grid) for a in ckpt.meta.arrays.values())
 
 
-@pytest.mark.parametrize(("src", "dst"), [("shard(0, tp)", "shard(0, tp)"), ("shard(1, tp)", "shard(1, tp)"),
-                                          ("shard(1, tp)", "shard(0, tp)")], ids=["rows", "columns", "col-to-row"])
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [("shard(0, tp)", "shard(0, tp)"), ("shard(1, tp)", "shard(1, tp)"), ("shard(1, tp)", "shard(0, tp)")],
+    ids=["rows", "columns", "col-to-row"],
+)
 @pytest.mark.parametrize(("k_src", "k_dst"), [(2, 4), (4, 2), (2, 8), (1, 4)])
-def test_a_target_rank_reads_its_shard_and_indexes_only(tmp_path: Any, src: str, dst: str, k_src: int,
-                                                        k_dst: int) -> None:
+def test_a_target_rank_reads_its_shard_and_indexes_only(
+    tmp_path: Any, src: str, dst: str, k_src: int, k_dst: int
+) -> None:
     full = _full(w=(1024, 1024))
     _save(tmp_path, full, _layout(f'"w": {src}'), Mesh.of(tp=k_src))
     target, mesh = _layout(f'"w": {dst}'), Mesh.of(tp=k_dst)
@@ -78,8 +87,10 @@ def test_memory_bound_splits_reads_and_stays_exact(tmp_path: Any) -> None:
     target = _layout('"w", "optim/state/w/*": shard(0, tp)', '"v": shard(1, tp)')
     for budget in (1, 1000, 64 << 20):
         _check_all(tmp_path, full, target, Mesh.of(tp=3), buffer_bytes=budget)
-    zero = parse_layout('ucl-layout 1\n"w": shard(1, tp)\n"v": shard(0, tp)\n'
-                        'flat "optim/flat/{state}" -> "optim/state/{member}/{state}" over dp: ["w" [96, 80]]\n')
+    zero = parse_layout(
+        'ucl-layout 1\n"w": shard(1, tp)\n"v": shard(0, tp)\n'
+        'flat "optim/flat/{state}" -> "optim/state/{member}/{state}" over dp: ["w" [96, 80]]\n'
+    )
     _check_all(tmp_path, full, zero, Mesh.of(dp=3, tp=2), buffer_bytes=700)
 
 
@@ -121,7 +132,9 @@ def test_uneven_nested_shards_are_blocked_arrays(tmp_path: Any) -> None:
 
 def test_single_process_save_under_a_layout(tmp_path: Any) -> None:
     """ucl.save(layout=): one rank; padding rows are not stored; the step loads under any layout."""
-    layout = _layout('"**emb": size(0, 10), pad(0, 8*tp), shard(0, tp)', '"**fc": fused(0, a=4, b=2), shard(0, tp)')
+    layout = _layout(
+        '"**emb": size(0, 10), pad(0, 8*tp), shard(0, tp)', '"**fc": fused(0, a=4, b=2), shard(0, tp)'
+    )
     full = _full(model__emb=(10, 4), model__fc=(6, 3))
     local = shard_local_state(full, layout, Mesh.of(tp=1), 0)
     assert local["model/emb"].shape == (16, 4)
@@ -139,12 +152,15 @@ def test_single_process_save_under_a_layout(tmp_path: Any) -> None:
     assert ucl.validate(tmp_path).ok
 
 
-@pytest.mark.parametrize(("rules", "error"), [
-    (['"w": shard(0, tp)', '"nothing*": shard(0, tp)'], UnmatchedPatternError),
-    (['"w": shard(0, tp)', '"*": shard(1, tp)'], OverlappingRulesError),
-    (['"w": fused(0, a=3, b=3), shard(0, tp)'], LayoutShapeError),
-    (['"w": size(0, 9), shard(0, tp)'], LayoutShapeError),
-])
+@pytest.mark.parametrize(
+    ("rules", "error"),
+    [
+        (['"w": shard(0, tp)', '"nothing*": shard(0, tp)'], UnmatchedPatternError),
+        (['"w": shard(0, tp)', '"*": shard(1, tp)'], OverlappingRulesError),
+        (['"w": fused(0, a=3, b=3), shard(0, tp)'], LayoutShapeError),
+        (['"w": size(0, 9), shard(0, tp)'], LayoutShapeError),
+    ],
+)
 def test_bad_layouts_write_nothing(tmp_path: Any, rules: list[str], error: type) -> None:
     layout = _layout(*rules)
     with pytest.raises(error):
@@ -216,17 +232,27 @@ def test_names_selection_and_errors(tmp_path: Any) -> None:
 
 
 def test_hostile_records_are_refused() -> None:
-    rec = {"tensors": {"w": {"shape": [4], "dtype": "float32"}}, "maps": [{"tensor": "w", "box": [[0], [4]], "at": [2]}]}
+    rec = {
+        "tensors": {"w": {"shape": [4], "dtype": "float32"}},
+        "maps": [{"tensor": "w", "box": [[0], [4]], "at": [2]}],
+    }
     with pytest.raises(InconsistentMetadataError, match="runs past"):
         LogicalIndex({"a": ArraySpec("a", (4,), "float32", (4,), rec)})
     rec["maps"][0]["box"] = [[2], [4]]
     with pytest.raises(InconsistentMetadataError, match="outside"):
         LogicalIndex({"a": ArraySpec("a", (8,), "float32", (4,), rec)})
-    rec = {"tensors": {"w": {"shape": [4], "dtype": "int8"}}, "maps": [{"tensor": "w", "box": [[0], [4]], "at": [0]}]}
+    rec = {
+        "tensors": {"w": {"shape": [4], "dtype": "int8"}},
+        "maps": [{"tensor": "w", "box": [[0], [4]], "at": [0]}],
+    }
     with pytest.raises(InconsistentMetadataError, match="int8"):
         LogicalIndex({"a": ArraySpec("a", (4,), "float32", (4,), rec)})
-    rec = {"tensors": {"w": {"shape": [2, 2], "dtype": "float32"}},
-           "maps": [{"tensor": "w", "box": [[0, 0], [2, 2]], "at": [0, 0], "view": {"offset": 3, "shape": [2, 2]}}]}
+    rec = {
+        "tensors": {"w": {"shape": [2, 2], "dtype": "float32"}},
+        "maps": [
+            {"tensor": "w", "box": [[0, 0], [2, 2]], "at": [0, 0], "view": {"offset": 3, "shape": [2, 2]}}
+        ],
+    }
     with pytest.raises(InconsistentMetadataError, match="view"):
         LogicalIndex({"a": ArraySpec("a", (6,), "float32", (6,), rec)})
 

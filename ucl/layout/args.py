@@ -37,7 +37,9 @@ def as_mesh(mesh: Any, layout: Layout | None = None, world: int | None = None) -
         elif world in (None, 1):
             out = Mesh(tuple((a, 1) for a in sorted(layout.axes()))) if layout is not None else Mesh(())
         else:
-            raise MeshMismatchError(f"a layout on {world} processes needs a mesh (mesh='dp=2 tp=4' or similar)")
+            raise MeshMismatchError(
+                f"a layout on {world} processes needs a mesh (mesh='dp=2 tp=4' or similar)"
+            )
     elif isinstance(mesh, Mesh):
         out = mesh
     elif isinstance(mesh, str):

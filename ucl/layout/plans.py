@@ -121,7 +121,7 @@ class SavePlan:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SavePlan:
-        """Inverse of :meth:`to_dict` (the coordinator rebuilds the gathered plans for :func:`merge_plans`)."""
+        """Inverse of :meth:`to_dict` (the coordinator rebuilds gathered plans for :func:`merge_plans`)."""
         arrays = {a["name"]: ArraySpec.from_dict(a) for a in d["arrays"]}
         writes = []
         for w in d["writes"]:

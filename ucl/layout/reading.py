@@ -139,7 +139,9 @@ def _check_map(
     must never read outside what the array holds on the strength of a record)."""
 
     def bad(why: str) -> InconsistentMetadataError:
-        return InconsistentMetadataError(f"array {spec.name!r}: a map of tensor {tensor!r} {why}", tensor=tensor)
+        return InconsistentMetadataError(
+            f"array {spec.name!r}: a map of tensor {tensor!r} {why}", tensor=tensor
+        )
 
     info = rec["tensors"].get(tensor)
     if info is None:
