@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from ucl import names, saveplan
-from ucl.errors import InvalidArgumentError, StepExistsError, UCLError, WriteError, WriterLockedError
+from ucl.errors import InvalidArgumentError, StepExistsError, UCLError, WriteError
+from ucl.lock import WriterLock
 from ucl.metadata import ArrayMeta, CommitRecord, StepMeta
 from ucl.policy import AdaptiveInterval, DeltaPolicy
 from ucl.repo import Repository, check_step, commit_key, step_prefix
@@ -220,7 +221,7 @@ class CheckpointManager:
             raise InvalidArgumentError("layout='dtensor' takes its mesh from the DTensors; pass no mesh=")
         self._dtensor_layouts: dict[Any, tuple[Any, Any, int]] = {}
         self.repo = self._open_repo(path, storage_options)
-        self._lock = _WriterLock.acquire(self.repo) if self.rank == 0 else None
+        self._lock = WriterLock.acquire(self.repo) if self.rank == 0 else None
         self._writer_threads, self._direct = writer_threads, direct
         self._file_writer: Any = None
         self._uploads: Any = None
@@ -616,11 +617,13 @@ class CheckpointManager:
                         changed = {n for r in reports for n in r["changed"]}
                         arrays = {n: self._delta_array(a, n in changed, parent) for n, a in arrays.items()}
                     tree = job.tree
-                    if job.plan.layout is not None:  # the logical tensors in the coordinator's structure
-                        tree = saveplan.graft(job.tree, job.plan.logical)
+                    if job.plan.layout is not None:  # the coordinator's JSON values; tensors go by name
+                        tree = saveplan.graft(job.tree, [])
                     meta = StepMeta(step=job.step, kind=job.kind, parent=parent, tree=tree, arrays=arrays,
                                     layout=job.plan.layout, mesh=job.plan.mesh)
                     record = StepWriter(self.repo, job.step).commit(meta, merged)
+                    if self._lock is not None:
+                        self._lock.renew()
                     self._retain(job.step)
                 except BaseException as e:  # noqa: BLE001
                     verdict = {"ok": False, "error": _describe(e)}
@@ -774,39 +777,7 @@ def _needed_bases(repo: Repository, keep: set[int]) -> set[int]:
     return need
 
 
-class _WriterLock:
-    """One writer per repository: an flock on <repo>/.ucl-writer.lock (local filesystems).
-
-    Object stores have no flock; there the coordinator relies on the commit protocol (a committed step
-    is never overwritten: ``begin`` refuses it) and on not running two jobs on one prefix.
-    """
-
-    def __init__(self, fd: int | None) -> None:
-        self.fd = fd
-
-    @classmethod
-    def acquire(cls, repo: Repository) -> _WriterLock:
-        if not repo.store.is_local:
-            return cls(None)
-        import fcntl
-
-        path = os.path.join(repo.store.root, ".ucl-writer.lock")  # type: ignore[attr-defined]
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
-            os.close(fd)
-            raise WriterLockedError(f"another writer holds {path}" + (f" (pid {holder})" if holder else ""),
-                                    file=path) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        return cls(fd)
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+_WriterLock = WriterLock  # the name gc and older callers import
 
 
 class _Dist:

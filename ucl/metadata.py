@@ -350,12 +350,8 @@ class StepMeta:
                     raise InconsistentMetadataError(f"{what}: array at {key!r} names itself {meta.name!r}", tensor=meta.name, file=what)
                 arrays[meta.name] = meta
         referenced = set(names.iter_tree_tensors(ucl["tree"], what))
-        known = set(arrays)
-        for a in arrays.values():  # a layout step's tree names logical tensors (spec/layout.md §6.3)
-            if a.logical and isinstance(a.logical.get("tensors"), dict):
-                known.update(a.logical["tensors"])
-        if not referenced <= known:
-            missing = sorted(referenced - known)[0]
+        if not referenced <= set(arrays):
+            missing = sorted(referenced - set(arrays))[0]
             raise InconsistentMetadataError(f"{what}: the structure tree names tensor {missing!r}, which has no array", tensor=missing, file=what)
         if ucl["kind"] == "delta" and ucl.get("parent") is None:
             raise InconsistentMetadataError(f"{what}: a delta step must name its parent", file=what)

@@ -338,7 +338,13 @@ class Checkpoint:
                 self._check_listed(m, (0,) * len(m.shape), m.shape)
             out = {n: _empty(m, m.shape) for n, m in self.meta.arrays.items()}
         self.load_into(out)
-        return out if flat else names.unflatten(self.meta.tree, out)
+        if flat:
+            return out
+        if self.layout_step:  # its tree holds JSON values; tensors go where the "/" of their names say
+            from ucl.saveplan import graft
+
+            return names.unflatten(graft(self.meta.tree, list(out)), out)
+        return names.unflatten(self.meta.tree, out)
 
     def load_into(self, tensors: dict[str, torch.Tensor]) -> None:
         """Fill existing contiguous CPU tensors in place (no fresh allocations), by flat (logical) name."""
