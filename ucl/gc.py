@@ -53,7 +53,7 @@ from ucl.metadata import ArrayMeta, CommitRecord, StepMeta
 from ucl.progress import Progress
 from ucl.reader import Checkpoint
 from ucl.repo import Repository, check_step, commit_key, step_prefix
-from ucl.shard import choose_inner_chunk, encode_shard
+from ucl.shard import choose_inner_chunk, encode_shard, shard_digest
 from ucl.storage import LocalStore, Store
 from ucl.writer import FileEntry, all_shards
 
@@ -330,7 +330,8 @@ def _stage(repo: Repository, step: int, record: CommitRecord, meta: StepMeta, co
                 size = tuple(min(k, n - s) for k, n, s in zip(a.chunk_shape, a.shape, start, strict=True))
                 block = lt.read_box(start, size)  # one shard in memory
                 rel = a.shard_key(coords)
-                files[rel] = store.write(f"{staging}/{rel}", encode_shard(a, coords, block))
+                buffers = encode_shard(a, coords, block)
+                files[rel] = (store.write(f"{staging}/{rel}", buffers)[0], shard_digest(buffers))
                 bar.update(block.numel() * block.element_size())
     full = StepMeta(step=step, kind="full", tree=meta.tree, arrays=arrays, parent=None, layout=meta.layout,
                     mesh=meta.mesh, extensions=meta.extensions)

@@ -125,8 +125,9 @@ class Repository:
                                      file=key)
         return self.store.read(key)
 
-    def read_verified(self, step: int, rel: str, record: CommitRecord) -> bytes:
-        """A small file of a committed step, checked against its commit record (size and crc32c)."""
+    def read_verified(self, step: int, rel: str, record: CommitRecord, *, n_inner: int | None = None) -> bytes:
+        """A file of a committed step, checked against its commit record: size, and the crc32c of a
+        document or (given the shard's number of inner chunks, ``n_inner``) a shard's digest."""
         key = f"{step_prefix(step)}/{rel}"
         if rel not in record.files:
             raise MissingShardError(f"{key} is not listed in the commit record of step {step}", file=key)
@@ -142,7 +143,13 @@ class Repository:
             raise MissingShardError(f"{key} is missing", file=key) from None
         if len(data) != size:
             raise ShardSizeError(f"{key} is {len(data)} bytes, the commit record says {size}", file=key)
-        if _native.crc32c(data) != crc:
+        if n_inner is not None:
+            from ucl.shard import file_digest
+
+            if file_digest(data, n_inner, verify=True, where=key) != crc:
+                raise ChecksumError(f"{key} does not hold the chunks its commit record names (digest differs)",
+                                    file=key)
+        elif _native.crc32c(data) != crc:
             raise ChecksumError(f"{key} fails its crc32c", file=key)
         return data
 

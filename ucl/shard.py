@@ -161,19 +161,27 @@ def shard_digest(buffers: list[Any]) -> int:
     return _native.crc32c(b"".join(bytes(b) for b in buffers[1::2]))
 
 
-def file_digest(data: bytes | memoryview, n_inner: int) -> int:
-    """:func:`shard_digest` of a shard file's bytes (for tools that rewrite shards, e.g. the
-    conformance generator). Entries pointing outside the file are skipped, so any bytes digest."""
+def file_digest(data: bytes | memoryview, n_inner: int, *, verify: bool = False, where: str = "") -> int:
+    """:func:`shard_digest` of a shard file's bytes. Entries pointing outside the file are skipped, so
+    any bytes digest (for tools that rewrite shards, e.g. the conformance generator); with ``verify``,
+    every present chunk's crc32c and the index's are checked first (ChecksumError naming ``where``)."""
     data = memoryview(data)
     n = index_nbytes(n_inner)
     if len(data) < n:
+        if verify:
+            raise ChecksumError(f"{where}: the shard is shorter than its {n}-byte index", file=where)
         return _native.crc32c(data)
     body = data[len(data) - n : len(data) - 4]
+    if verify and _native.crc32c(body) != _CRC.unpack(data[len(data) - 4 :])[0]:
+        raise ChecksumError(f"{where}: shard index fails its crc32c", file=where)
     crcs = []
     for i in range(n_inner):
         off, nb = struct.unpack_from("<QQ", body, 16 * i)
         if off != EMPTY and 4 <= nb and off + nb <= len(data) - n:
-            crcs.append(bytes(data[off + nb - 4 : off + nb]))
+            stored = bytes(data[off + nb - 4 : off + nb])
+            if verify and _native.crc32c(data[off : off + nb - 4]) != _CRC.unpack(stored)[0]:
+                raise ChecksumError(f"{where}: inner chunk {i} fails its crc32c", file=where)
+            crcs.append(stored)
     crcs.append(bytes(data[len(data) - 4 :]))
     return _native.crc32c(b"".join(crcs))
 

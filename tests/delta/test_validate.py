@@ -23,6 +23,13 @@ class Arr:
     def key(self) -> str:
         return self.name
 
+    @property
+    def n_inner(self) -> int:
+        n = 1
+        for c, i in zip(self.chunk_shape, self.inner_chunk_shape, strict=True):
+            n *= c // i
+        return n
+
     def inner_codecs(self) -> list[dict[str, Any]]:
         if self.codec is not None:
             return [self.codec, {"name": "crc32c"}]
@@ -60,7 +67,7 @@ class Repo:
     def step_meta(self, s: int, rec: Rec) -> Meta:
         return self.metas[s]
 
-    def read_verified(self, s: int, rel: str, rec: Rec) -> bytes:
+    def read_verified(self, s: int, rel: str, rec: Rec, *, n_inner: int | None = None) -> bytes:
         self.reads.append((s, rel))
         if (s, rel) in self.corrupt:
             raise ChecksumError(f"steps/{s}/{rel} fails its crc32c", file=f"steps/{s}/{rel}")

@@ -330,3 +330,19 @@ def test_readinto_and_short_reads(bucket) -> None:
         store.read_range("nope", 0, 4)
     assert store.size("obj") == 100 and store.size("nope") is None
     assert store.list_dir("") == ["obj"]
+
+
+def test_one_writer_per_s3_repository(bucket) -> None:  # noqa: ANN001
+    import pytest as _pytest
+    import torch as _torch
+
+    from ucl.engine import CheckpointManager
+    from ucl.errors import WriterLockedError
+
+    url = f"s3://{bucket}/locked"
+    with CheckpointManager(url) as mgr:
+        mgr.save(1, {"w": _torch.ones(3)}).result()
+        with _pytest.raises(WriterLockedError, match="another writer .* holds .*writer.lock until its lease expires"):
+            CheckpointManager(url)
+    with CheckpointManager(url) as mgr:  # released on close
+        mgr.save(2, {"w": _torch.ones(3)}).result()

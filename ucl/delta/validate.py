@@ -33,7 +33,7 @@ def validate_chain(
     max_chain : int, optional
         The chain length limit (spec/delta.md §6.2).
     check_bases : bool, optional
-        Also verify (size and whole-file crc32c against their commit records) every shard of the base
+        Also verify (size and digest against their commit records) every shard of the base
         steps that this step's tensors depend on, so a corrupt base makes this step invalid.
 
     Yields
@@ -109,7 +109,7 @@ def validate_chain(
                     continue
                 checked.add((link.step, rel))
                 try:
-                    repo.read_verified(link.step, rel, rec)
+                    repo.read_verified(link.step, rel, rec, n_inner=arr.n_inner)
                 except IntegrityError as e:
                     yield DeltaChainError(
                         f"step {step} depends on step {link.step}, whose tensor {name!r} is corrupt: "
