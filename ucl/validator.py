@@ -89,11 +89,29 @@ def validate_repo(path: Any, step: int | None = None, *, storage_options: dict[s
     except UCLError as e:
         report.add(e)
         return report
+    _check_steps_group(repo, report)
     steps = repo.steps() if step is None else [step]
     for s in steps:
         report.steps.append(s)
         _validate_step(repo, s, report, checksums)
     return report
+
+
+def _check_steps_group(repo: Repository, report: Report) -> None:
+    """steps/zarr.json: the group document that makes the steps a zarr hierarchy (spec/core.md §3)."""
+    from ucl.errors import SchemaError
+
+    what = f"{repo.url}/steps/zarr.json"
+    try:
+        doc = metadata.loads(repo.store.read("steps/zarr.json"), what)
+    except (FileNotFoundError, NotADirectoryError):
+        report.add(SchemaError(f"{what} is missing", file=what))
+        return
+    except UCLError as e:
+        report.add(e)
+        return
+    if not (isinstance(doc, dict) and doc.get("zarr_format") == 3 and doc.get("node_type") == "group"):
+        report.add(SchemaError(f"{what} is not a Zarr v3 group document", file=what))
 
 
 def _validate_step(repo: Repository, step: int, report: Report, checksums: bool) -> None:
