@@ -194,7 +194,6 @@ class Checkpoint:
         self._chain: Any = None
         self._lock = threading.Lock()
         self._index: Any = None
-        self._plans: dict[Any, Any] = {}  # load plans by target (ucl.reshard)
         self.layout_step = meta.layout is not None or any(a.logical for a in meta.arrays.values())
 
     # -- mapping-like ------------------------------------------------------------------------------
@@ -434,11 +433,13 @@ def _alloc(name: str, dtype: str, shape: tuple[int, ...], zero: bool = False) ->
     try:
         return (torch.zeros if zero else torch.empty)(shape, dtype=dtypes.to_torch(dtype))
     except (RuntimeError, MemoryError):  # the shape was checked against the spec's limits, not this machine's
-        raise LimitExceededError(f"cannot allocate {math.prod(shape) * dtypes.itemsize(dtype)} bytes for tensor "
+        n = math.prod(shape) * dtypes.itemsize(dtype)
+        raise LimitExceededError(f"cannot allocate {n} bytes for tensor "
                                  f"{name!r}", tensor=name) from None
 
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
+View = tuple[int, tuple[int, ...]]  # (element offset, shape) of a row-major view of a flat tensor
 
 
 class _Op:
@@ -449,7 +450,7 @@ class _Op:
 
     __slots__ = ("meta", "start", "shape", "dest", "view", "box", "add", "_dst")
 
-    def __init__(self, meta: ArrayMeta, stored: Box, dest: torch.Tensor, view: tuple[int, tuple[int, ...]] | None,
+    def __init__(self, meta: ArrayMeta, stored: Box, dest: torch.Tensor, view: View | None,
                  box: Box, add: bool = False) -> None:
         self.meta = meta
         self.start, self.shape = tuple(stored[0]), tuple(stored[1])
@@ -528,7 +529,8 @@ class _Op:
                 bd = next(j for j, m in enumerate(bn) if m > 1)
             bs[bd] += lo - a0
             bn[bd] = hi - lo
-            sub = _Op(self.meta, (tuple(st), tuple(sh)), self.dest, self.view, (tuple(bs), tuple(bn)), self.add)
+            box = (tuple(bs), tuple(bn))
+            sub = _Op(self.meta, (tuple(st), tuple(sh)), self.dest, self.view, box, self.add)
             out += sub.split(budget) if hi - lo > 1 and sub.cost() > budget else [sub]
         return out
 
@@ -540,8 +542,8 @@ class _Op:
         for rel_start, shape in _row_major_pieces(self.box[1], per):
             first = ravel(self.box[1], rel_start)
             box = (tuple(a + b for a, b in zip(self.box[0], rel_start, strict=True)), shape)
-            out.append(_Op(self.meta, ((self.start[0] + first,), (math.prod(shape),)), self.dest, self.view, box,
-                           self.add))
+            stored = ((self.start[0] + first,), (math.prod(shape),))
+            out.append(_Op(self.meta, stored, self.dest, self.view, box, self.add))
         return out
 
 

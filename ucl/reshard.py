@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -39,6 +40,7 @@ __all__ = ["load", "load_into", "load_plan", "save_local", "save_sharded"]
 
 PLAN_CACHE_SIZE = 32
 _PLANS: dict[Any, Any] = {}
+_PLANS_LOCK = threading.Lock()
 
 
 # -- loading -----------------------------------------------------------------------------------------
@@ -279,9 +281,10 @@ def load_plan(
     if plan is None:
         specs = {n: saveplan.spec_for_meta(m) for n, m in ckpt.meta.arrays.items()}
         plan = plan_load(specs, layout, mesh, rank, tensors=sel)
-        if len(_PLANS) >= PLAN_CACHE_SIZE:
-            _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = plan
+        with _PLANS_LOCK:
+            while len(_PLANS) >= PLAN_CACHE_SIZE:
+                _PLANS.pop(next(iter(_PLANS)))
+            _PLANS[key] = plan
     return plan
 
 

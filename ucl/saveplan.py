@@ -110,22 +110,28 @@ def plan_rank(
 
 def inner_chunk_for(spec: Any, split: Sequence[int] = ()) -> tuple[int, ...]:
     """The inner chunk of a layout array: :func:`ucl.shard.choose_inner_chunk` of its chunk (the rank's
-    block), after splitting its first dimension and the dimensions ``split`` into up to SPLIT pieces each."""
+    block), after splitting its first dimension and the dimensions ``split``: each halved in turn (the
+    last dimension first), while it stays within SPLIT pieces, the inner chunk at least MIN_INNER_BYTES
+    and rows along it at least MIN_RUN_BYTES."""
     block = tuple(max(1, c) for c in spec.chunk_shape)
     itemsize = dtypes.itemsize(spec.dtype)
     pre = list(block)
     lead = 1 if spec.logical and spec.logical.get("partial") else 0
-    for d in sorted({lead, *split} & set(range(len(block)))):
-        for k in range(SPLIT, 1, -1):
-            if block[d] % k:
+    dims = sorted({lead, *split} & set(range(len(block))), reverse=True)
+    parts = dict.fromkeys(dims, 1)
+    grown = True
+    while grown:
+        grown = False
+        for d in dims:
+            k = parts[d] * 2
+            if k > SPLIT or block[d] % k:
                 continue
             cand = [*pre[:d], block[d] // k, *pre[d + 1 :]]
             if math.prod(cand) * itemsize < MIN_INNER_BYTES:
                 continue
-            if d > 0 and math.prod(cand[d:]) * itemsize < MIN_RUN_BYTES:
+            if d > lead and math.prod(cand[d:]) * itemsize < MIN_RUN_BYTES:
                 continue
-            pre = cand
-            break
+            pre, parts[d], grown = cand, k, True
     return choose_inner_chunk(tuple(pre), itemsize)
 
 

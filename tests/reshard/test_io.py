@@ -272,3 +272,19 @@ def test_op_splitting_covers_each_element_once() -> None:
                 assert torch.equal(flat, torch.arange(pos, pos + flat.numel()))
                 pos += flat.numel()
             assert bool((seen == 1).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_save_and_load_in_place(tmp_path: Any) -> None:
+    layout = _layout('"w": shard(1, tp)', '"e": size(0, 10), pad(0, 4*tp), shard(0, tp)')
+    full = _full(w=(64, 48), e=(10, 8))
+    local = {n: t.cuda() for n, t in shard_local_state(full, layout, Mesh.of(tp=1), 0).items()}
+    with CheckpointManager(tmp_path, layout=layout) as mgr:
+        mgr.save(1, local).result()
+    target, mesh = _layout('"w": shard(0, tp)', '"e": size(0, 10), pad(0, 4*tp), shard(0, tp)'), Mesh.of(tp=2)
+    for rank in range(2):
+        want = shard_local_state(full, target, mesh, rank)
+        dest = {n: torch.full_like(t, 5.0, device="cuda") for n, t in want.items()}
+        ucl.load_into(tmp_path, dest, layout=target, mesh=mesh, rank=rank)
+        assert all(torch.equal(dest[n].cpu(), want[n]) for n in want)
