@@ -42,11 +42,10 @@ class LazyTensor:
     those elements as a new ``torch.Tensor`` (basic indexing: ints, slices of any step, Ellipsis).
     """
 
-    def __init__(self, ckpt: Checkpoint, meta: ArrayMeta | None) -> None:
+    def __init__(self, ckpt: Checkpoint, meta: ArrayMeta) -> None:
         self._ckpt = ckpt
-        self.meta = meta  # the stored array (None for a LogicalTensor: its elements span stored boxes)
-        if meta is not None:
-            self._name, self._shape, self._spec_dtype = meta.name, tuple(meta.shape), meta.dtype
+        self.meta = meta  # the stored array
+        self._name, self._shape, self._spec_dtype = meta.name, tuple(meta.shape), meta.dtype
 
     @property
     def name(self) -> str:
@@ -93,7 +92,6 @@ class LazyTensor:
     def read_box(self, start: tuple[int, ...], shape: tuple[int, ...], out: torch.Tensor | None = None) -> torch.Tensor:
         """Elements ``[start, start + shape)`` as a tensor of ``shape``."""
         start, shape = tuple(start), tuple(shape)
-        assert self.meta is not None
         self._check_bounds(start, shape)
         self._ckpt._check_listed(self.meta, start, shape)
         out = self._out(shape, out)
@@ -112,7 +110,8 @@ class LogicalTensor(LazyTensor):
     sum of their contributions. ``meta`` is None: the elements may span several stored arrays."""
 
     def __init__(self, ckpt: Checkpoint, name: str, shape: tuple[int, ...], dtype: str) -> None:
-        super().__init__(ckpt, None)
+        self._ckpt = ckpt
+        self.meta = None  # type: ignore[assignment]  # no one stored array holds it
         self._name, self._shape, self._spec_dtype = name, tuple(shape), dtype
 
     def read_box(self, start: tuple[int, ...], shape: tuple[int, ...], out: torch.Tensor | None = None) -> torch.Tensor:
