@@ -191,3 +191,15 @@ def test_an_absent_chunk_is_an_error_on_every_path(tmp_path, monkeypatch, index)
     shard.write_bytes(bytes(data))
     with pytest.raises(CorruptShardIndexError, match=r"inner chunk \[5, 0\] of tensor 't' is absent"):
         ucl.open(tmp_path)["t"][index]
+
+
+def test_device_refusing_the_alignment_falls_back(saved, direct, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    root, st = saved
+
+    def refuse(*a):  # type: ignore[no-untyped-def]
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(boxread, "_pread_direct", refuse)
+    ck = ucl.open(root / "r")
+    assert torch.equal(ck["a"][...], st["a"]) and torch.equal(ck["b"][3:600], st["b"][3:600])
+    assert not ck._files.direct_ok and direct["direct"] == 0
