@@ -80,6 +80,30 @@ def _validator(name: str) -> Any:
     return strict(schema, registry=registry)
 
 
+_VALID_ARRAY_DOCS: dict[str, None] = {}  # canonical array documents known valid, names blanked (bounded)
+
+
+def _check_array_schema(doc: Any, what: str) -> None:
+    """check_schema(doc, "array") with a cache: the arrays of a step repeat a few structures (every
+    layer's weight has the same document but for its name), and jsonschema costs ~0.6 ms a document,
+    most of an open. The name is checked by ucl.names, so it is blanked in the key."""
+    try:
+        ucl = doc["attributes"]["ucl"]
+        blank = {**doc, "attributes": {**doc["attributes"], "ucl": {**ucl, "name": ""}}}
+        key = json.dumps(blank, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (KeyError, TypeError, ValueError):
+        key = None
+    if key is not None and key in _VALID_ARRAY_DOCS:
+        if not isinstance(ucl.get("name"), str) or not 1 <= len(ucl["name"]) <= 1024:
+            raise SchemaError(f"{what} does not match array.schema.json at attributes/ucl/name", file=what)
+        return
+    check_schema(doc, "array", what)
+    if key is not None:
+        if len(_VALID_ARRAY_DOCS) > 4096:
+            _VALID_ARRAY_DOCS.clear()
+        _VALID_ARRAY_DOCS[key] = None
+
+
 def check_schema(doc: Any, schema: str, what: str) -> None:
     """Raise SchemaError naming the first violation of ``schema`` in ``doc``."""
     err = next(iter(sorted(_validator(schema).iter_errors(doc), key=lambda e: list(e.absolute_path))), None)
@@ -236,7 +260,7 @@ class ArrayMeta:
         if isinstance(doc, dict) and "data_type" in doc and doc["data_type"] not in dtypes.SPEC_DTYPES:
             raise UnsupportedDTypeError(f"{what}: data type {str(doc['data_type'])[:64]!r} is not one of the spec's",
                                         file=what)
-        check_schema(doc, "array", what)
+        _check_array_schema(doc, what)
         shape = tuple(doc["shape"])
         chunk = tuple(doc["chunk_grid"]["configuration"]["chunk_shape"])
         shard = doc["codecs"][0]["configuration"]
