@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 from typing import Any
 
 import torch
@@ -25,70 +24,17 @@ def mesh_of(tp: int, pp: int, dp: int) -> Mesh:
     return Mesh.of(pp=pp, dp=dp, tp=tp)
 
 
-def _q(name: str) -> str:
-    return json.dumps(name)
-
-
 def layout_text(
     c: gpt.GPTConfig = CONFIG, *, tp: int = 1, pp: int = 1, dp: int = 1, vocab_multiple: int = VOCAB_MULTIPLE
 ) -> str:
-    """The layout of the GPT's state: "model/<param>", "optim/state/<param>/<exp_avg|exp_avg_sq>", and with
-    dp > 1 ZeRO flat buffers "optim/flat/<state>" (one per pipeline stage) in place of the latter."""
-    hd = c.head_dim
-
-    def both(p: str) -> str:
-        return f"{_q('**' + p)}, {_q('**' + p + '/*')}"
-
-    vocab = f"size(0, {c.vocab}), pad(0, {vocab_multiple}*tp), shard(0, tp)"
-    lines = [
-        "ucl-layout 1",
-        f"renumber {_q('**layers.{i}.**')} over pp: {c.n_layers}",
-        f"{both('embedding.word_embeddings.weight')}: {vocab} on pp=0",
-        f"{both('.attention.qkv.weight')}: fused(0, q={c.n_heads}x{hd}, k={c.n_kv_heads}x{hd}, "
-        f"v={c.n_kv_heads}x{hd}), shard(0, tp)",
-        f"{both('.attention.dense.weight')}: shard(1, tp)",
-        f"{both('.mlp.gate_up.weight')}: fused(0, gate={c.ffn_hidden}, up={c.ffn_hidden}), shard(0, tp)",
-        f"{both('.mlp.down.weight')}: shard(1, tp)",
-        f"{both('final_norm.weight')}: replicate on pp=-1",
-        f"{both('lm_head.weight')}: {vocab} on pp=-1",
-    ]
-    if dp > 1:
-        shapes = gpt.param_shapes(c)
-        per = -(-c.n_layers // pp)
-        for s in range(pp):
-            lo, hi = min(s * per, c.n_layers), min((s + 1) * per, c.n_layers)
-            members = []
-            for name, shape in shapes.items():
-                if name.startswith("layers."):
-                    i = int(name.split(".")[1])
-                    if not lo <= i < hi:
-                        continue
-                    name = f"layers.{i - lo}." + name.split(".", 2)[2]
-                elif (name.startswith("embedding.") and s != 0) or (
-                    name.startswith(("final_norm.", "lm_head.")) and s != pp - 1
-                ):
-                    continue
-                members.append(f"  {_q('model/' + name)} {list(shape)},")
-            on = f" on pp={s}" if pp > 1 else ""
-            lines.append(f'flat "optim/flat/{{state}}" -> "optim/state/{{member}}/{{state}}" over dp{on}: [')
-            lines += members
-            lines.append("]")
-    return "\n".join(lines) + "\n"
+    return gpt.layout_text(c, tp=tp, pp=pp, dp=dp, vocab_multiple=vocab_multiple)
 
 
 def layout_of(tp: int, pp: int, dp: int) -> Layout:
     return parse_layout(layout_text(tp=tp, pp=pp, dp=dp))
 
 
-def logical_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Flat logical state: "model/<p>", "optim/state/model/<p>/exp_avg", ".../exp_avg_sq"."""
-    out: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():
-        out[f"model/{name}"] = p.detach().clone()
-        st = opt.state[p]
-        out[f"optim/state/model/{name}/exp_avg"] = st["exp_avg"].clone()
-        out[f"optim/state/model/{name}/exp_avg_sq"] = st["exp_avg_sq"].clone()
-    return out
+logical_state = gpt.logical_state
 
 
 def optimizer_step(opt: torch.optim.Optimizer) -> int:

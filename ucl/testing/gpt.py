@@ -34,6 +34,7 @@ checkpoint of step ``s`` sees exactly the batches ``s + 1, s + 2, ...`` an unint
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -366,3 +367,67 @@ def load_full_state(model: nn.Module, opt: torch.optim.Optimizer, state: Mapping
     """Inverse of :func:`full_state`: restore parameters and optimizer state (e.g. from ``ucl.load``)."""
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optim"])
+
+
+# -- the model's layout (spec/layout.md), for resharding ---------------------------------------------
+def _q(name: str) -> str:
+    return json.dumps(name)
+
+
+def layout_text(
+    c: GPTConfig, *, tp: int = 1, pp: int = 1, dp: int = 1, vocab_multiple: int = 128
+) -> str:
+    """The UCL layout (spec/layout.md) of this GPT's state under Megatron-style parallelism:
+    "model/<param>", "optim/state/<param>/<exp_avg|exp_avg_sq>", and with
+    dp > 1 ZeRO flat buffers "optim/flat/<state>" (one per pipeline stage) in place of the latter."""
+    hd = c.head_dim
+
+    def both(p: str) -> str:
+        return f"{_q('**' + p)}, {_q('**' + p + '/*')}"
+
+    vocab = f"size(0, {c.vocab}), pad(0, {vocab_multiple}*tp), shard(0, tp)"
+    lines = [
+        "ucl-layout 1",
+        f"renumber {_q('**layers.{i}.**')} over pp: {c.n_layers}",
+        f"{both('embedding.word_embeddings.weight')}: {vocab} on pp=0",
+        f"{both('.attention.qkv.weight')}: fused(0, q={c.n_heads}x{hd}, k={c.n_kv_heads}x{hd}, "
+        f"v={c.n_kv_heads}x{hd}), shard(0, tp)",
+        f"{both('.attention.dense.weight')}: shard(1, tp)",
+        f"{both('.mlp.gate_up.weight')}: fused(0, gate={c.ffn_hidden}, up={c.ffn_hidden}), shard(0, tp)",
+        f"{both('.mlp.down.weight')}: shard(1, tp)",
+        f"{both('final_norm.weight')}: replicate on pp=-1",
+        f"{both('lm_head.weight')}: {vocab} on pp=-1",
+    ]
+    if dp > 1:
+        shapes = param_shapes(c)
+        per = -(-c.n_layers // pp)
+        for s in range(pp):
+            lo, hi = min(s * per, c.n_layers), min((s + 1) * per, c.n_layers)
+            members = []
+            for name, shape in shapes.items():
+                if name.startswith("layers."):
+                    i = int(name.split(".")[1])
+                    if not lo <= i < hi:
+                        continue
+                    name = f"layers.{i - lo}." + name.split(".", 2)[2]
+                elif (name.startswith("embedding.") and s != 0) or (
+                    name.startswith(("final_norm.", "lm_head.")) and s != pp - 1
+                ):
+                    continue
+                members.append(f"  {_q('model/' + name)} {list(shape)},")
+            on = f" on pp={s}" if pp > 1 else ""
+            lines.append(f'flat "optim/flat/{{state}}" -> "optim/state/{{member}}/{{state}}" over dp{on}: [')
+            lines += members
+            lines.append("]")
+    return "\n".join(lines) + "\n"
+
+
+def logical_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Flat logical state: "model/<p>", "optim/state/model/<p>/exp_avg", ".../exp_avg_sq"."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        out[f"model/{name}"] = p.detach().clone()
+        st = opt.state[p]
+        out[f"optim/state/model/{name}/exp_avg"] = st["exp_avg"].clone()
+        out[f"optim/state/model/{name}/exp_avg_sq"] = st["exp_avg_sq"].clone()
+    return out
