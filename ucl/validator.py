@@ -110,7 +110,8 @@ def _check_steps_group(repo: Repository, report: Report) -> None:
     except UCLError as e:
         report.add(e)
         return
-    if not (isinstance(doc, dict) and doc.get("zarr_format") == 3 and doc.get("node_type") == "group"):
+    if not (isinstance(doc, dict) and set(doc) == {"zarr_format", "node_type", "attributes"}
+            and doc["zarr_format"] == 3 and doc["node_type"] == "group" and isinstance(doc["attributes"], dict)):
         report.add(SchemaError(f"{what} is not a Zarr v3 group document", file=what))
 
 
