@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import itertools
 import math
 import mmap
 import os
@@ -176,15 +177,11 @@ class Request:
 
 
 def _shards_of(meta: ArrayMeta, start: tuple[int, ...], stop: tuple[int, ...]) -> list[tuple[int, ...]]:
-    import itertools
-
     ranges = [range(a // c, -(-b // c)) for a, b, c in zip(start, stop, meta.chunk_shape, strict=True)]
     return list(itertools.product(*ranges))
 
 
 def _plan(files: StepFiles, req: Request) -> list[_Chunk]:
-    import itertools
-
     meta, out = req.meta, req.out
     stop = tuple(a + n for a, n in zip(req.start, req.shape, strict=True))
     if any(n == 0 for n in req.shape):
@@ -210,11 +207,88 @@ def _plan(files: StepFiles, req: Request) -> list[_Chunk]:
             ranges.append(range(lo, hi))
         if rows:
             _plan_rows(files, req, stop, key, index, origin, ranges[0], out_bytes, chunks)
-            continue
-        for ic in itertools.product(*ranges):
-            ordinal = int(np.ravel_multi_index(ic, meta.inner_grid)) if ic else 0
-            chunks.append(_chunk(files, req, stop, key, index, origin, ic, ordinal, out_bytes, raw_codec))
+        elif not ranges:  # a 0-d array: one chunk
+            chunks.append(_chunk(files, req, stop, key, index, origin, (), 0, out_bytes, raw_codec))
+        else:
+            _plan_grid(files, req, stop, key, index, origin, ranges, out_bytes, raw_codec, chunks)
     return chunks
+
+
+def _plan_grid(files: StepFiles, req: Request, stop: tuple[int, ...], key: str, index: np.ndarray,
+               origin: list[int], ranges: list[range], out_bytes: memoryview, raw_codec: bool,
+               chunks: list[_Chunk]) -> None:
+    """The chunks of one shard that a request needs (the inner-grid box ``ranges``), in index order,
+    planned in bulk: per dimension, numpy computes each inner chunk's intersection with the request;
+    over the box, the ordinals, index entries and whether a chunk is read in place (a whole, unpadded,
+    uncompressed chunk whose part of the destination is one contiguous run). Python builds only the
+    chunk objects (and, for chunks placed from a buffer, their slices)."""
+    meta = req.meta
+    if any(len(r) == 0 for r in ranges):
+        return
+    nd = len(ranges)
+    sub = tuple(len(r) for r in ranges)
+
+    def bcast(v: np.ndarray, d: int) -> np.ndarray:  # a per-dimension vector, broadcast over the box
+        return v.reshape((1,) * d + (-1,) + (1,) * (nd - d - 1))
+
+    gstride = [math.prod(meta.inner_grid[d + 1 :]) for d in range(nd)]
+    ostride = [math.prod(req.shape[d + 1 :]) for d in range(nd)]
+    ordinal = np.zeros(sub, dtype=np.int64)
+    whole = np.ones(sub, dtype=bool)
+    first = np.zeros(sub, dtype=np.int64)  # element offset of the chunk's part in the destination
+    full_out = []  # per dimension: the chunk's part spans the request's whole extent
+    ext1 = []  # per dimension: the chunk's part has extent 1
+    dst: list[list[slice]] = []
+    src: list[list[slice]] = []
+    for d, r in enumerate(ranges):
+        i = meta.inner_chunk_shape[d]
+        k = np.arange(r.start, r.stop, dtype=np.int64)
+        a = origin[d] + k * i  # chunk start, array coordinates
+        c = np.minimum(a + i, meta.shape[d])  # chunk stop, clipped to the array
+        lo = np.maximum(a, req.start[d])
+        hi = np.minimum(c, stop[d])
+        rs, re_ = lo - req.start[d], hi - req.start[d]
+        ordinal = ordinal + bcast(k * gstride[d], d)
+        whole = whole & bcast((lo == a) & (hi == c) & (c - a == i), d)
+        first = first + bcast(rs * ostride[d], d)
+        full_out.append(bcast((rs == 0) & (re_ == req.shape[d]), d))
+        ext1.append(bcast(re_ - rs == 1, d))
+        dst.append([slice(x, y) for x, y in zip(rs.tolist(), re_.tolist(), strict=True)])
+        src.append([slice(x, y) for x, y in zip((lo - a).tolist(), (hi - a).tolist(), strict=True)])
+    ordinal = ordinal.ravel()
+    offs = index[ordinal, 0]
+    if np.any(offs == EMPTY):
+        j = int(np.argmax(offs == EMPTY))
+        ic = tuple(r[x] for r, x in zip(ranges, np.unravel_index(j, sub), strict=True))
+        raise CorruptShardIndexError(f"{key}: inner chunk {list(ic)} of tensor {meta.name!r} is absent from "
+                                     "its shard", tensor=meta.name, file=key)
+    nbs = index[ordinal, 1]
+    # one contiguous run of the destination (shard._contiguous_span): every dimension before the last
+    # one the part does not span whole has extent 1
+    direct = np.zeros(sub, dtype=bool)
+    if raw_codec:
+        contig = np.ones(sub, dtype=bool)
+        suffix = np.ones(sub, dtype=bool)  # the part spans the request whole in every dimension after d
+        for d in range(nd - 1, -1, -1):
+            contig = contig & (ext1[d] | suffix)
+            suffix = suffix & full_out[d]
+        direct = whole & contig
+    item = meta.itemsize
+    n = meta.inner_nbytes
+    place = _placers(meta, req.out, files, key)
+    coords = itertools.product(*ranges)
+    if direct.all():
+        for ic, off, nb, f in zip(coords, offs.tolist(), nbs.tolist(), (first.ravel() * item).tolist(),
+                                  strict=True):
+            chunks.append(_Chunk(meta, key, ic, off, nb, out_bytes[f : f + n]))
+        return
+    for ic, dsl, ssl, off, nb, dr, f in zip(coords, itertools.product(*dst), itertools.product(*src),
+                                            offs.tolist(), nbs.tolist(), direct.ravel().tolist(),
+                                            (first.ravel() * item).tolist(), strict=True):
+        if dr:
+            chunks.append(_Chunk(meta, key, ic, off, nb, out_bytes[f : f + n]))
+        else:
+            chunks.append(_Chunk(meta, key, ic, off, nb, None, place=place(dsl, ssl, ic)))
 
 
 def _plan_rows(files: StepFiles, req: Request, stop: tuple[int, ...], key: str, index: np.ndarray,
@@ -267,17 +341,33 @@ def _chunk(files: StepFiles, req: Request, stop: tuple[int, ...], key: str, inde
 
 def _placer(meta: ArrayMeta, out: torch.Tensor, dst: tuple[slice, ...], src: tuple[slice, ...],
             files: StepFiles, key: str, ic: tuple[int, ...]) -> Callable[[memoryview], None]:
-    def place(encoded: memoryview) -> None:
-        raw = decode_chunk(meta, encoded, key, ic)
-        arr = np.frombuffer(raw, dtype=np.uint8)
-        t = torch.from_numpy(arr.copy() if not arr.flags.writeable else arr)
-        t = t.view(dtypes.to_torch(meta.dtype) if meta.dtype != "bool" else torch.uint8)
-        t = t.reshape(meta.inner_chunk_shape) if meta.inner_chunk_shape else t.reshape(())
-        if meta.dtype == "bool":
-            t = t.view(torch.bool)
-        out[dst] = t[src]
+    return _placers(meta, out, files, key)(dst, src, ic)
 
-    return place
+
+_Place = Callable[[memoryview], None]
+
+
+def _placers(meta: ArrayMeta, out: torch.Tensor, files: StepFiles,
+             key: str) -> Callable[[tuple[slice, ...], tuple[slice, ...], tuple[int, ...]], _Place]:
+    """A factory of placers for the chunks of one shard: each decodes a checked chunk and copies its
+    part ``src`` to ``out[dst]``."""
+    is_bool = meta.dtype == "bool"
+    tdtype = torch.uint8 if is_bool else dtypes.to_torch(meta.dtype)
+    shape = meta.inner_chunk_shape
+
+    def make(dst: tuple[slice, ...], src: tuple[slice, ...], ic: tuple[int, ...]) -> _Place:
+        def place(encoded: memoryview) -> None:
+            raw = decode_chunk(meta, encoded, key, ic)
+            arr = np.frombuffer(raw, dtype=np.uint8)
+            t = torch.from_numpy(arr.copy() if not arr.flags.writeable else arr).view(tdtype)
+            t = t.reshape(shape) if shape else t.reshape(())
+            if is_bool:
+                t = t.view(torch.bool)
+            out[dst] = t[src]
+
+        return place
+
+    return make
 
 
 def _segments(chunks: list[_Chunk]) -> list[list[_Chunk]]:
