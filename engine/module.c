@@ -75,17 +75,17 @@ static int started(PoolObject *self) {
 }
 
 static int pool_init(PoolObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"threads", "direct", "segment", NULL};
-    int threads, direct;
+    static char *kwlist[] = {"threads", "direct", "segment", "sync", NULL};
+    int threads, direct, sync = 1;
     Py_ssize_t segment;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "ipn", kwlist, &threads, &direct, &segment)) return -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "ipn|p", kwlist, &threads, &direct, &segment, &sync)) return -1;
     if (self->pool) {
         PyErr_SetString(PyExc_RuntimeError, "Pool already started");
         return -1;
     }
     ucl_pool *pool;
     Py_BEGIN_ALLOW_THREADS
-    pool = ucl_pool_start(threads, direct, (size_t)segment);
+    pool = ucl_pool_start(threads, direct, (size_t)segment, sync);
     Py_END_ALLOW_THREADS
     if (!pool) {
         raise_errno(errno);

@@ -45,6 +45,7 @@ struct ucl_pool {
     pthread_cond_t work, done; /* work: for the threads; done: a job finished or a thread exited */
     ucl_job *head, *tail;
     int closing, direct, nthreads, running, joined;
+    int sync; /* fdatasync each file (0: the caller makes everything durable at once, e.g. syncfs) */
     size_t segment;
     pthread_t *threads;
 };
@@ -240,7 +241,7 @@ static int do_segment(ucl_pool *p, ucl_job *j, size_t seg, char **bounce, uint32
 
 static void finish(ucl_pool *p, ucl_job *j) {
     if (j->fd >= 0) {
-        if (!j->res.err && xfdatasync(j->fd)) fail(j, errno, "syncing", j->size);
+        if (p->sync && !j->res.err && xfdatasync(j->fd)) fail(j, errno, "syncing", j->size);
         if (j->fd_buf != j->fd && close(j->fd_buf) && errno != EINTR) fail(j, errno, "closing", j->size);
         if (close(j->fd) && errno != EINTR) fail(j, errno, "closing", j->size);
         j->fd = j->fd_buf = -1;
@@ -342,7 +343,7 @@ static int wait_until(ucl_pool *p, const int *v, int want, double timeout) {
     return *v == want ? 0 : ETIMEDOUT;
 }
 
-ucl_pool *ucl_pool_start(int nthreads, int direct, size_t segment) {
+ucl_pool *ucl_pool_start(int nthreads, int direct, size_t segment, int sync) {
     ucl_pool *p = calloc(1, sizeof *p);
     pthread_t *threads = calloc((size_t)nthreads, sizeof *threads);
     if (!p || !threads || nthreads < 1 || !segment || segment % ALIGN) {
@@ -359,6 +360,7 @@ ucl_pool *ucl_pool_start(int nthreads, int direct, size_t segment) {
     pthread_cond_init(&p->done, &ca);
     pthread_condattr_destroy(&ca);
     p->direct = direct;
+    p->sync = sync;
     p->segment = segment;
     p->threads = threads;
     /* Signals go to the interpreter's threads, never to ours (nor interrupt our system calls). */

@@ -25,7 +25,7 @@ typedef struct ucl_job ucl_job;
 /* direct: 1 tries O_DIRECT per file (falling back to buffered writes where open says EINVAL),
    0 buffered with early writeback. segment: bytes per unit of work, a multiple of 4096.
    Returns NULL with errno set on failure. */
-ucl_pool *ucl_pool_start(int nthreads, int direct, size_t segment);
+ucl_pool *ucl_pool_start(int nthreads, int direct, size_t segment, int sync);
 /* A job writing the concatenation of nspans spans to path; fill job_spans(job) before submit. */
 ucl_job *ucl_job_new(const char *path, size_t nspans);
 ucl_span *ucl_job_spans(ucl_job *job);

@@ -72,6 +72,9 @@ class FileWriter:
         default :data:`DEFAULT_DIRECT` (None).
     segment_bytes : int
         Unit of work and of each write request: a multiple of 4096 (default 8 MiB).
+    sync : bool
+        ``fdatasync`` each file before its job completes (default). False leaves durability to the
+        caller, who then makes everything durable at once (``syncfs``, as the engine does per save).
 
     Raises
     ------
@@ -81,7 +84,8 @@ class FileWriter:
         When the threads cannot be started.
     """
 
-    def __init__(self, threads: int = 4, direct: bool | None = None, segment_bytes: int = 8 << 20) -> None:
+    def __init__(self, threads: int = 4, direct: bool | None = None, segment_bytes: int = 8 << 20,
+                 sync: bool = True) -> None:
         if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= 256:
             raise InvalidArgumentError(f"threads must be an int in [1, 256], got {threads!r}")
         if direct is not None and not isinstance(direct, bool):
@@ -96,7 +100,8 @@ class FileWriter:
                 f"segment_bytes must be a multiple of 4096 in [4096, 1 GiB], got {segment_bytes!r}"
             )
         self.direct = DEFAULT_DIRECT if direct is None else direct
-        self._pool = _engine.Pool(threads, self.direct, segment_bytes)
+        self.sync = bool(sync)
+        self._pool = _engine.Pool(threads, self.direct, segment_bytes, self.sync)
         self._closed = False
 
     def __enter__(self) -> FileWriter:

@@ -480,7 +480,12 @@ class CheckpointManager:
         if self._file_writer is None and self.repo.store.is_local:
             from ucl._native import FileWriter
 
-            self._file_writer = FileWriter(threads=self._writer_threads, direct=self._direct)
+            from ucl.storage.local import _syncfs
+
+            # with syncfs, one call per save makes every shard durable (data, sizes, directory entries)
+            # instead of one fdatasync per file: hundreds of journal commits fewer
+            self._file_writer = FileWriter(threads=self._writer_threads, direct=self._direct,
+                                           sync=_syncfs is None)
         return self._file_writer
 
     def _persist_loop(self) -> None:
@@ -587,6 +592,8 @@ class CheckpointManager:
                     first = first or e
             if first is not None:
                 raise first
+        if fw is not None and not fw.sync and jobs:
+            store.sync_all()  # this rank's shards are durable before it reports them
         return out
 
     def _remote_pool(self) -> Any:
