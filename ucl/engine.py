@@ -283,7 +283,8 @@ class CheckpointManager:
                 # earlier pieces are queued: fail the step through its last piece
                 self._queue.put(_Job(step, replace(plan, writes=[]), tree, {}, None, handle, error=e))
                 raise
-            sub = replace(plan, writes=[w for w in plan.writes if w.source in piece])
+            pset = set(piece)
+            sub = replace(plan, writes=[w for w in plan.writes if w.source in pset])
             self._queue.put(_Job(step, sub, tree, staged, slot, handle, last_piece=i == len(pieces) - 1,
                                  plan_key=id(plan)))
         handle.staged_s = time.perf_counter() - t0
@@ -398,7 +399,8 @@ class CheckpointManager:
         return {n: t.to_local() if isinstance(t, DTensor) else t for n, t in tensors.items()}
 
     def _pieces(self, plan: saveplan.SavePlan, tensors: dict[str, torch.Tensor]) -> list[list[str]]:
-        sources = [s for s in tensors if s in plan.sources]
+        wanted = plan.sources  # a set built once (a property: not per tensor)
+        sources = [s for s in tensors if s in wanted]
         sizes = {s: _aligned(tensors[s].numel() * tensors[s].element_size()) for s in sources}
         total = sum(sizes.values())
         if self.staging_bytes is None:

@@ -20,6 +20,7 @@ MAX_NAME_BYTES = 1024
 MAX_SEGMENT_BYTES = 255
 MAX_DEPTH = 32
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+_CONTROL = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
 _ESCAPED_SEGMENT = re.compile(r"^(?:[A-Za-z0-9._-]|%[0-9A-F]{2})+$")
 
 
@@ -38,7 +39,7 @@ def check_name(name: object) -> str:
     for seg in segments:
         if not seg:
             raise InvalidNameError(f"tensor name {name!r} has an empty segment", tensor=name)
-        if any(ord(c) < 0x20 or ord(c) == 0x7F or 0xD800 <= ord(c) <= 0xDFFF for c in seg):
+        if _CONTROL.search(seg):
             raise InvalidNameError(f"tensor name {name!r} contains a control character", tensor=name)
         if len(seg.encode("utf-8")) > MAX_SEGMENT_BYTES:
             raise InvalidNameError(f"a segment of tensor name {name!r} exceeds {MAX_SEGMENT_BYTES} bytes", tensor=name)
