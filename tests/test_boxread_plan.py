@@ -69,3 +69,38 @@ def test_random_boxes(tmp_path: Path, compression: dict | None) -> None:
     got = ck.load()
     for name, t in st.items():
         assert torch.equal(got[name], t)
+
+
+@pytest.mark.parametrize("rows", [8, 4096])  # small shards (read whole with their index) and larger ones
+@pytest.mark.parametrize("direct", [False, True])
+def test_swapped_shards_fail_whole_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: int,
+                                         direct: bool) -> None:
+    from ucl import boxread
+    from ucl.errors import ChecksumError
+    from ucl.repo import step_prefix
+
+    if direct:
+        monkeypatch.setattr(boxread, "DIRECT_MIN_BYTES", 0)
+        monkeypatch.setattr(boxread, "_mostly_cached", lambda *a: False)
+    t = torch.randn(2 * rows, 24, generator=torch.Generator().manual_seed(1))
+    inner = (rows // 4, 8)
+    _write(tmp_path / "r", {"w": t}, {"w": (rows, 24)}, {"w": inner})
+    ck = ucl.open(str(tmp_path / "r"))
+    assert torch.equal(ck.load()["w"], t) and torch.equal(ck["w"][...], t)
+    meta = ck["w"].meta
+    a = tmp_path / "r" / step_prefix(0) / meta.shard_key((0, 0))
+    b = tmp_path / "r" / step_prefix(0) / meta.shard_key((1, 0))
+    da, db = a.read_bytes(), b.read_bytes()
+    assert len(da) == len(db)
+    a.write_bytes(db)
+    b.write_bytes(da)
+    ck = ucl.open(str(tmp_path / "r"))
+    with pytest.raises(ChecksumError, match="does not hold the chunks its commit record names") as e:
+        ck.load()
+    assert e.value.tensor == "w" and meta.shard_key((0, 0)) in str(e.value)
+    with pytest.raises(ChecksumError, match="does not hold the chunks its commit record names"):
+        ucl.open(str(tmp_path / "r"))["w"][...]
+    with pytest.raises(ChecksumError):
+        ucl.open(str(tmp_path / "r"))["w"][:, 0:24]  # a box covering every chunk of both shards
+    # a partial read of one shard passes its chunks' crc32c's (and is not required to see the swap)
+    ucl.open(str(tmp_path / "r"))["w"][1:3, 2:9]

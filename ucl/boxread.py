@@ -181,7 +181,19 @@ def _shards_of(meta: ArrayMeta, start: tuple[int, ...], stop: tuple[int, ...]) -
     return list(itertools.product(*ranges))
 
 
-def _plan(files: StepFiles, req: Request) -> list[_Chunk]:
+@dataclass
+class _Digest:
+    """A shard whose every present chunk a request reads: its digest is checked once they are in."""
+
+    meta: ArrayMeta
+    key: str
+    rel: str
+    index: np.ndarray
+    chunks: list[_Chunk]  # in index order
+
+
+def _plan(files: StepFiles, req: Request, digests: list[_Digest] | None = None) -> list[_Chunk]:
+    """The chunks ``req`` needs. ``digests``: where to note the shards it reads whole (full arrays only)."""
     meta, out = req.meta, req.out
     stop = tuple(a + n for a, n in zip(req.start, req.shape, strict=True))
     if any(n == 0 for n in req.shape):
@@ -205,13 +217,31 @@ def _plan(files: StepFiles, req: Request) -> list[_Chunk]:
             lo = max(0, (req.start[d] - origin[d]) // i)
             hi = min(meta.inner_grid[d], -(-(stop[d] - origin[d]) // i))
             ranges.append(range(lo, hi))
+        n0 = len(chunks)
         if rows:
             _plan_rows(files, req, stop, key, index, origin, ranges[0], out_bytes, chunks)
         elif not ranges:  # a 0-d array: one chunk
             chunks.append(_chunk(files, req, stop, key, index, origin, (), 0, out_bytes, raw_codec))
         else:
             _plan_grid(files, req, stop, key, index, origin, ranges, out_bytes, raw_codec, chunks)
+        # every present chunk of the shard is read (each planned one is present, none twice)
+        if (digests is not None and meta.delta is None
+                and len(chunks) - n0 == int(np.count_nonzero(index[:, 0] != EMPTY))):
+            digests.append(_Digest(meta, key, meta.shard_key(shard), index, chunks[n0:]))
     return chunks
+
+
+def _check_digests(files: StepFiles, digests: list[_Digest]) -> None:
+    """spec/core.md §8.1: the digest of a shard read whole (its chunks' crc32c's, already checked
+    against their data, in index order, then its index's) must be the commit record's checksum:
+    chunks whose crc32c's pass can still belong to another file (two equal-sized shards swapped)."""
+    for d in digests:
+        crcs = b"".join(c.crc for c in d.chunks) + _CRC.pack(_native.crc32c(d.index.tobytes()))
+        got, want = _native.crc32c(crcs), files.record.files[d.rel][1]
+        if got != want:
+            raise ChecksumError(f"{d.key}: shard of tensor {d.meta.name!r} does not hold the chunks its "
+                                f"commit record names (digest {got:08x}, recorded {want:08x})",
+                                tensor=d.meta.name, file=d.key)
 
 
 def _plan_grid(files: StepFiles, req: Request, stop: tuple[int, ...], key: str, index: np.ndarray,
@@ -503,7 +533,8 @@ def _from_memory(group: list[_Chunk], mv: memoryview, base: int) -> None:
     for c in group:
         o = c.offset - base
         data = mv[o : o + c.nbytes - 4]
-        _check(c, _native.crc32c(data), _CRC.unpack_from(mv, o + c.nbytes - 4)[0])
+        c.crc[:] = mv[o + c.nbytes - 4 : o + c.nbytes]
+        _check(c, _native.crc32c(data), _CRC.unpack(c.crc)[0])
         if c.direct is not None:
             _copy(c.direct, data)
         else:
@@ -673,8 +704,10 @@ def _read(files: StepFiles, requests: list[Request], pool: Executor | None) -> N
             for r, shards in live:
                 for s, whole in shards:
                     files.index(r.meta, s, whole)
-                for g in _segments(_plan(files, r)):
+                digests: list[_Digest] = []
+                for g in _segments(_plan(files, r, digests)):
                     files.count(_execute(files, g))
+                _check_digests(files, digests)
             return
         # indexes on their own threads; each request's data is read as soon as its indexes are in
         todo = {}
@@ -685,6 +718,7 @@ def _read(files: StepFiles, requests: list[Request], pool: Executor | None) -> N
         ipool = ThreadPoolExecutor(min(INDEX_THREADS, len(todo)), "ucl-index") if len(todo) > 1 else None
         ifut = {k: ipool.submit(files.index, *v) for k, v in todo.items()} if ipool is not None else {}
         dfut: list[Future[int]] = []
+        digests = []
         try:
             for r, shards in live:
                 for s, whole in shards:
@@ -693,9 +727,10 @@ def _read(files: StepFiles, requests: list[Request], pool: Executor | None) -> N
                         f.result()
                     else:
                         files.index(r.meta, s, whole)
-                dfut += [pool.submit(_execute, files, g) for g in _segments(_plan(files, r))]
+                dfut += [pool.submit(_execute, files, g) for g in _segments(_plan(files, r, digests))]
             for f in dfut:
                 files.count(f.result())
+            _check_digests(files, digests)
         finally:  # on an error: nothing of this read keeps running after it returns
             for f in [*ifut.values(), *dfut]:
                 f.cancel()
