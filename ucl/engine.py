@@ -104,6 +104,7 @@ class _Job:
     plan_key: int = 0
     kind: str = "full"  # decided by the persister: "full" or "delta"
     changed: set[str] | None = None  # delta steps: arrays this rank wrote data for
+    documents: dict[str, tuple[int, int]] | None = None  # full steps: documents written beside the shards
 
 
 @dataclass
@@ -584,6 +585,10 @@ class CheckpointManager:
                     jobs.append((rel, fw.submit(path, buffers), buffers))
                 else:  # object stores: several uploads in flight
                     jobs.append((rel, self._remote_pool().submit(store.write, f"{prefix}/{rel}", buffers), buffers))
+            if self.rank == 0 and job.kind == "full" and job.last_piece and (fw is None or not fw.sync):
+                # a full step's documents are known now: write them while the C threads write the
+                # shards, so that this rank's one sync covers them too and commit only adds the record
+                job.documents = StepWriter(self.repo, job.step).write_documents(self._full_meta(job))
         finally:
             first: BaseException | None = None
             for rel, jid, bufs in jobs:
@@ -594,8 +599,8 @@ class CheckpointManager:
                     first = first or e
             if first is not None:
                 raise first
-        if fw is not None and not fw.sync and jobs:
-            store.sync_all()  # this rank's shards are durable before it reports them
+        if fw is not None and not fw.sync and (jobs or job.documents):
+            store.sync_all()  # this rank's shards (and documents) are durable before it reports them
         return out
 
     def _remote_pool(self) -> Any:
@@ -604,6 +609,11 @@ class CheckpointManager:
 
             self._uploads = ThreadPoolExecutor(self._writer_threads, thread_name_prefix="ucl-upload")
         return self._uploads
+
+    def _full_meta(self, job: _Job) -> StepMeta:
+        tree = saveplan.graft(job.tree, []) if job.plan.layout is not None else job.tree
+        return StepMeta(step=job.step, kind="full", parent=None, tree=tree, arrays=job.plan.arrays,
+                        layout=job.plan.layout, mesh=job.plan.mesh)
 
     def _commit(self, job: _Job, files: dict[str, tuple[int, int]], err: BaseException | None) -> CommitRecord | None:
         report = {"rank": self.rank, "files": files, "error": None if err is None else _describe(err),
@@ -630,7 +640,7 @@ class CheckpointManager:
                         tree = saveplan.graft(job.tree, [])
                     meta = StepMeta(step=job.step, kind=job.kind, parent=parent, tree=tree, arrays=arrays,
                                     layout=job.plan.layout, mesh=job.plan.mesh)
-                    record = StepWriter(self.repo, job.step).commit(meta, merged)
+                    record = StepWriter(self.repo, job.step).commit(meta, merged, documents=job.documents)
                     if self._lock is not None:
                         self._lock.renew()
                     self._retain(job.step)

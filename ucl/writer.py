@@ -84,11 +84,29 @@ class StepWriter:
         size, _ = self.store.write(f"{self.prefix}/{rel}", buffers)
         return rel, (size, shard_digest(buffers))
 
-    def commit(self, meta: StepMeta, files: Mapping[str, FileEntry]) -> CommitRecord:
-        entries = dict(files)
+    def write_documents(self, meta: StepMeta) -> dict[str, FileEntry]:
+        """Write the step's documents without making them durable (local stores), for a writer that
+        overlaps them with its shard writes and then makes everything durable with one ``sync_all``.
+        Pass the result to :meth:`commit` as ``documents``."""
+        return {rel: self.store.write(f"{self.prefix}/{rel}", [data], durable=False)
+                for rel, data in self._documents(meta).items()}
+
+    def _documents(self, meta: StepMeta) -> dict[str, bytes]:
         doc = meta.to_dict()
         docs = {f"{rel}/zarr.json": metadata.dumps(node) for rel, node in doc["consolidated_metadata"]["metadata"].items()}
         docs["zarr.json"] = metadata.dumps(doc)
+        return docs
+
+    def commit(self, meta: StepMeta, files: Mapping[str, FileEntry],
+               documents: Mapping[str, FileEntry] | None = None) -> CommitRecord:
+        """Write the documents (unless ``documents`` says they are written and durable), then the record."""
+        entries = dict(files)
+        if documents is not None:
+            entries.update(documents)
+            record = CommitRecord(step=self.step, kind=meta.kind, parent=meta.parent, files=entries)
+            self.store.write_atomic(commit_key(self.step), record.to_bytes())
+            return record
+        docs = self._documents(meta)
         # Hundreds of small documents and directories must be durable before the commit record. One
         # syncfs(2) does it in one journal commit (5x faster than an fsync each, measured); where it is
         # unavailable, fsyncs are issued concurrently so that the journal still batches them.

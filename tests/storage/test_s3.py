@@ -124,8 +124,8 @@ def test_reader_never_sees_a_half_written_step(bucket, monkeypatch) -> None:
     # the reader has started and finished a poll (so the reader looks inside every half-written step)
     write = FsspecStore.write
 
-    def write_then_let_the_reader_look(self, key, buffers):  # noqa: ANN001, ANN202
-        out = write(self, key, buffers)
+    def write_then_let_the_reader_look(self, key, buffers, **kw):  # noqa: ANN001, ANN202, ANN003
+        out = write(self, key, buffers, **kw)
         if "/layer/0/w/c/" in key:
             window[0] = int(key.split("/")[1])
             target = started[0] + 1
