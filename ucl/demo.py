@@ -349,7 +349,6 @@ def act_resume(d: Demo) -> None:
     exact = True
     for step in range(start + 1, end + 1):
         loss = train_step(model, opt, d.data.batch(step))
-        t1 = time.perf_counter()
         ucl.save(full_state(model, opt), d.repo, step=step)
         same = loss == d.losses[step]
         exact &= same

@@ -482,7 +482,6 @@ class CheckpointManager:
     def _writer(self) -> Any:
         if self._file_writer is None and self.repo.store.is_local:
             from ucl._native import FileWriter
-
             from ucl.storage.local import _syncfs
 
             # with syncfs, one call per save makes every shard durable (data, sizes, directory entries)

@@ -177,7 +177,7 @@ def file_digest(data: bytes | memoryview, n_inner: int, *, verify: bool = False,
     crcs = []
     for i in range(n_inner):
         off, nb = struct.unpack_from("<QQ", body, 16 * i)
-        if off != EMPTY and 4 <= nb and off + nb <= len(data) - n:
+        if off != EMPTY and nb >= 4 and off + nb <= len(data) - n:
             stored = bytes(data[off + nb - 4 : off + nb])
             if verify and _native.crc32c(data[off : off + nb - 4]) != _CRC.unpack(stored)[0]:
                 raise ChecksumError(f"{where}: inner chunk {i} fails its crc32c", file=where)

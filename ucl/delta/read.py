@@ -14,7 +14,14 @@ import torch
 
 from ucl import dtypes
 from ucl.boxread import Request, StepFiles, _shards_of
-from ucl.delta.chain import DEFAULT_MAX_CHAIN, ArrayInfo, StepInfo, reconstruct_inner, resolve_array_chain, resolve_chain
+from ucl.delta.chain import (
+    DEFAULT_MAX_CHAIN,
+    ArrayInfo,
+    StepInfo,
+    reconstruct_inner,
+    resolve_array_chain,
+    resolve_chain,
+)
 from ucl.delta.records import DeltaRecord
 from ucl.errors import ChecksumError, CorruptShardIndexError, MissingShardError, ShardSizeError, UCLError
 from ucl.metadata import ArrayMeta, StepMeta
