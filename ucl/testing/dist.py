@@ -58,11 +58,14 @@ def _main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mod, fn = target.split(":")
     sys.path.insert(0, os.getcwd())
-    try:
-        result = getattr(importlib.import_module(mod), fn)(rank, world, **kwargs)
-    finally:
-        dist.destroy_process_group()
-    print(json.dumps(result))
+    result = getattr(importlib.import_module(mod), fn)(rank, world, **kwargs)
+    dist.barrier()  # every rank is done with its collectives
+    print(json.dumps(result), flush=True)
+    sys.stderr.flush()
+    # Leave without interpreter teardown: destroying process groups (and DCP's device-mesh subgroups)
+    # while gloo's threads wind down aborts now and then ("terminate called without an active
+    # exception"), failing a rank whose work had succeeded. The result is printed; exit now.
+    os._exit(0)
 
 
 if __name__ == "__main__":
