@@ -84,6 +84,11 @@ def bit_view(a: np.ndarray) -> np.ndarray:
     return a.view(np.dtype(f"<u{word}"))
 
 
+def word_dtype(itemsize: int) -> np.dtype:
+    """The unsigned word the codec uses for a data type of ``itemsize`` bytes (as :func:`bit_view`)."""
+    return np.dtype(f"<u{itemsize if itemsize in _WORDS else 8}")
+
+
 def choose_encoding(name: str, dtype: str) -> str:
     """The delta encoding a writer uses for a tensor: ``"sub"`` or ``"xor"``.
 

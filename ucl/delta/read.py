@@ -22,13 +22,13 @@ from ucl.delta.chain import (
     resolve_array_chain,
     resolve_chain,
 )
+from ucl.delta.codec import word_dtype
 from ucl.delta.records import DeltaRecord
 from ucl.errors import ChecksumError, CorruptShardIndexError, MissingShardError, ShardSizeError, UCLError
 from ucl.metadata import ArrayMeta, StepMeta
 from ucl.shard import EMPTY, decode_chunk
 
 _CRC = struct.Struct("<I")
-_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64, 16: np.uint64}
 
 StepSource = Callable[[int], tuple[StepMeta, StepFiles]]  # step -> its metadata and files (cached by the caller)
 
@@ -98,7 +98,7 @@ class ChainReader:
             return
         links = self.links(meta.name)
         stop = tuple(a + n for a, n in zip(req.start, req.shape, strict=True))
-        word = _WORDS[meta.itemsize]
+        word = word_dtype(meta.itemsize)
         buf = np.empty(meta.inner_nbytes // np.dtype(word).itemsize, dtype=word)
         tdtype = dtypes.to_torch(meta.dtype)
         for shard in _shards_of(meta, req.start, stop):

@@ -13,16 +13,15 @@ import numpy as np
 import torch
 
 from ucl import _native
-from ucl.delta.codec import encode_chunk
+from ucl.delta.codec import encode_chunk, word_dtype
 from ucl.metadata import ArrayMeta
 from ucl.shard import EMPTY, _contiguous_span, as_bytes, inner_chunks, is_full
 
 _CRC = struct.Struct("<I")
-_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64, 16: np.uint64}
 
 
 def _words(mv: memoryview | bytes, itemsize: int) -> np.ndarray:
-    return np.frombuffer(mv, dtype=_WORDS[itemsize])
+    return np.frombuffer(mv, dtype=word_dtype(itemsize))
 
 
 def encode_delta_shard(meta: ArrayMeta, shard: tuple[int, ...], block: torch.Tensor, base: torch.Tensor,
