@@ -104,7 +104,25 @@ class _Job:
     plan_key: int = 0
     kind: str = "full"  # decided by the persister: "full" or "delta"
     changed: set[str] | None = None  # delta steps: arrays this rank wrote data for
+    grad: _GradJob | None = None  # staged gradients: the step may be stored as gradient records
     documents: dict[str, tuple[int, int]] | None = None  # full steps: documents written beside the shards
+
+
+@dataclass
+class _GradJob:
+    """What a gradient-record step (spec/delta.md §8) needs beside the staged state."""
+
+    parent: int  # the previous save: the state this step is one optimizer step after
+    records: Any  # ucl.delta.GradientRecords (base_step = parent)
+    staged: dict[str, torch.Tensor]  # gradient arrays' names -> staged gradients
+    plan: saveplan.SavePlan  # the gradients' arrays (stored full, zstd)
+
+    @property
+    def replayed(self) -> set[str]:
+        return set(self.records.parameters) | {n for n in self._state_names if n.startswith(self._state_prefix)}
+
+    _state_names: tuple[str, ...] = ()
+    _state_prefix: str = ""
 
 
 @dataclass
@@ -144,6 +162,10 @@ class CheckpointManager:
         None (every step full), True (default :class:`ucl.policy.DeltaPolicy`) or a DeltaPolicy: steps
         are then stored as bit-exact deltas against the previous step's staged copy (spec/delta.md),
         unchanged tensors and inner chunks costing nothing. Uses a third staging slot (the base).
+        With ``DeltaPolicy(gradients=True)`` and ``save(..., optimizer=opt)``, a save taken exactly one
+        optimizer step after the previous one stores that step's gradients instead of the parameters and
+        optimizer state (spec/delta.md §8; readers replay the step, exact when the optimizer fingerprint
+        matches); other saves fall back to state deltas. Single-process saves without a layout.
     interval
         A :class:`ucl.policy.AdaptiveInterval` for :meth:`save_if_due`: checkpoint every Young/Daly
         interval, re-estimated from what saves measurably cost training (their blocking time).
@@ -190,6 +212,13 @@ class CheckpointManager:
             raise InvalidArgumentError("delta steps need the previous step staged whole: staging_bytes cannot be "
                                        "combined with delta")
         self.delta = delta
+        if delta is not None and delta.gradients and (layout is not None or _world_of(process_group) > 1):
+            raise InvalidArgumentError("gradient records (DeltaPolicy(gradients=True)) are written by single-process "
+                                       "saves without a layout")
+        self._tracker: Any = None  # ucl.delta.gradients.GradientTracker of the optimizer passed to save()
+        self._last_saved: int | None = None  # the step of the previous (not skipped) save
+        self._head: int | None = None  # the newest committed step of this manager (delta mode)
+        self._grad_plans: dict[Any, saveplan.SavePlan] = {}
         if interval is not None and not isinstance(interval, AdaptiveInterval):
             raise InvalidArgumentError(f"interval must be a ucl.policy.AdaptiveInterval, got {interval!r}")
         self.interval = interval
@@ -245,8 +274,13 @@ class CheckpointManager:
         return repo
 
     # -- saving ------------------------------------------------------------------------------------
-    def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
+    def save(self, step: int, state: Mapping[str, Any], *, optimizer: Any = None) -> SaveHandle:
         """Stage ``state`` and return a handle; the step is written and committed in the background.
+
+        ``optimizer`` (with ``DeltaPolicy(gradients=True)``): the ``torch.optim.Optimizer`` whose
+        ``state_dict()`` and parameters (through the model's ``state_dict()``) are in ``state``. When this
+        save is exactly one ``optimizer.step()`` after the previous one, with the gradients that step used
+        still in ``.grad``, the step stores those gradients instead of the parameters and optimizer state.
 
         Raises
         ------
@@ -256,6 +290,9 @@ class CheckpointManager:
         """
         if self._closed:
             raise InvalidArgumentError("CheckpointManager is closed")
+        if optimizer is not None and (self.delta is None or not self.delta.gradients):
+            raise InvalidArgumentError("save(optimizer=...) is for gradient records: construct the manager with "
+                                       "delta=DeltaPolicy(gradients=True)")
         t0 = time.perf_counter()
         check_step(step)
         if step in self._committed_or_pending(step):
@@ -265,6 +302,7 @@ class CheckpointManager:
         if self._dtensor:
             tensors = self._dtensor_locals(tensors)
         plan = self._plan(tensors)
+        grads = self._gradients(tensors, optimizer) if optimizer is not None else None
         if self.world == 1:  # files of an earlier attempt that never committed (ranks > 1: `ucl gc`)
             self.repo.store.delete_prefix(step_prefix(step))
         handle = SaveHandle(step)
@@ -272,10 +310,16 @@ class CheckpointManager:
         if self.when_busy == "skip" and not self._free_slot_now(len(pieces)):
             return SaveHandle(step, skipped=True)
         self._pending.append(handle)
+        grad_job = None
         for i, piece in enumerate(pieces):
-            slot = self._acquire_slot(sum(_aligned(tensors[s].numel() * tensors[s].element_size()) for s in piece))
+            stage = {s: tensors[s] for s in piece}
+            if grads is not None:  # one piece (delta mode stages whole states): the gradients go with it
+                stage.update(grads[1])
+            slot = self._acquire_slot(sum(_aligned(t.numel() * t.element_size()) for t in stage.values()))
             try:
-                staged = self._stage(slot, {s: tensors[s] for s in piece})
+                staged = self._stage(slot, stage)
+                if grads is not None:
+                    grad_job = replace(grads[0], staged={n: staged.pop(n) for n in grads[1]})
             except BaseException as e:
                 self._release(slot)
                 if i == 0:  # nothing queued yet: this save simply fails
@@ -287,9 +331,40 @@ class CheckpointManager:
             pset = set(piece)
             sub = replace(plan, writes=[w for w in plan.writes if w.source in pset])
             self._queue.put(_Job(step, sub, tree, staged, slot, handle, last_piece=i == len(pieces) - 1,
-                                 plan_key=id(plan)))
+                                 plan_key=id(plan), grad=grad_job))
+        if optimizer is not None:
+            self._tracker.saved()
+        self._last_saved = step
         handle.staged_s = time.perf_counter() - t0
         return handle
+
+    def _gradients(self, tensors: dict[str, torch.Tensor], optimizer: Any) -> tuple[_GradJob, dict[str, torch.Tensor]] | None:
+        """The gradients to stage with this save, when it may be stored as gradient records (else None)."""
+        from ucl.delta.gradients import GradientTracker, locate, optimizer_fingerprint
+        from ucl.delta.records import GradientRecords
+
+        if self._tracker is None or self._tracker.optimizer is not optimizer:
+            if self._tracker is not None:
+                self._tracker.close()
+            self._tracker = GradientTracker(optimizer)
+        params, prefix = locate(optimizer, tensors)  # a state without the optimizer's tensors fails every save
+        if self._tracker.check() is not None or prefix is None or self._last_saved is None:
+            return None
+        gp = "grad/"
+        while any(n.startswith(gp) for n in tensors):
+            gp = gp[:-1] + "_/"
+        flat = [p for g in optimizer.param_groups for p in g["params"]]
+        grads = {gp + n: p.grad for n, p in zip(params, flat, strict=True) if p.grad is not None}
+        key = tuple((n, tuple(t.shape), t.dtype) for n, t in grads.items())
+        if key not in self._grad_plans:
+            self._grad_plans = {key: saveplan.single(grads, {"name": "zstd", "configuration": {"level": 1,
+                                                                                              "checksum": False}})}
+        rec = GradientRecords(base_step=self._last_saved, fingerprint=optimizer_fingerprint(optimizer), gradients=gp,
+                              parameters=tuple(params), optimizer_state=prefix,
+                              param_groups=tuple(dict(g) for g in self._tracker.param_groups))
+        job = _GradJob(self._last_saved, rec, {}, self._grad_plans[key], _state_names=tuple(tensors),
+                       _state_prefix=prefix + "/state/")
+        return job, grads
 
     def save_if_due(self, step: int, state: Mapping[str, Any], now: float | None = None) -> SaveHandle | None:
         """Save when the adaptive interval says so (every rank gets the coordinator's decision).
@@ -525,19 +600,27 @@ class CheckpointManager:
                     self._release(job.slot)
 
     def _decide_kind(self, job: _Job) -> None:
-        """Full or delta (the same decision on every rank: it depends only on committed history)."""
+        """Full, delta or gradients (the same decision on every rank: it depends only on committed history).
+
+        Gradient records need their parent (the previous save) committed: otherwise the staged state is
+        stored as a delta (or full) instead."""
         job.kind = "full"
         if self.delta is None or self._base is None or self._base.plan_key != job.plan_key:
             return
         if self.delta.decide(self._since_full) == "delta":
             job.kind = "delta"
             job.changed = set()
+            if job.grad is not None and self._head == job.grad.parent:
+                job.kind = "gradients"
 
     def _advance_base(self, job: _Job) -> bool:
         """After a committed step: make it the base of the next delta if the policy says so."""
         if self.delta is None or job.slot is None:
             return False
+        self._head = job.step
         self._since_full = 0 if job.kind == "full" else (self._since_full or 0) + 1
+        if job.kind == "gradients":
+            return False  # its state is not stored as arrays: later deltas refer to the older base
         if self.delta.base == "full" and job.kind == "delta":
             return False  # deltas keep referring to the last full step
         old = self._base
@@ -562,11 +645,17 @@ class CheckpointManager:
         out: dict[str, tuple[int, int]] = {}
         fw = self._writer()
         jobs: list[tuple[str, Any]] = []
+        writes = [(w, job.staged) for w in job.plan.writes]
+        if job.kind == "gradients":
+            assert job.grad is not None
+            replayed = job.grad.replayed
+            writes = [(w, st) for w, st in writes if w.source not in replayed]
+            writes += [(w, job.grad.staged) for w in job.grad.plan.writes]
         try:
-            for w in job.plan.writes:
-                block = _block(w, job.staged[w.source])
+            for w, staged in writes:
+                block = _block(w, staged[w.source])
                 rel = w.array.shard_key(w.coords)
-                if job.kind == "delta":
+                if job.kind in ("delta", "gradients") and staged is job.staged:
                     from ucl.delta.codec import choose_encoding
                     from ucl.delta.shards import encode_delta_shard
 
@@ -629,16 +718,23 @@ class CheckpointManager:
                     merged: dict[str, tuple[int, int]] = {}
                     for r in reports:
                         merged.update({k: tuple(v) for k, v in r["files"].items()})  # type: ignore[misc]
-                    arrays, parent = job.plan.arrays, None
-                    if job.kind == "delta":
-                        parent = self._base.step  # type: ignore[union-attr]
+                    arrays, parent, extensions = job.plan.arrays, None, ()
+                    if job.kind in ("delta", "gradients"):
+                        parent = base = self._base.step  # type: ignore[union-attr]
                         changed = {n for r in reports for n in r["changed"]}
-                        arrays = {n: self._delta_array(a, n in changed, parent) for n, a in arrays.items()}
+                        arrays = {n: self._delta_array(a, n in changed, base) for n, a in arrays.items()}
+                    if job.kind == "gradients":  # the parameters and optimizer state come from the replay
+                        assert job.grad is not None
+                        parent = job.grad.parent
+                        replayed = job.grad.replayed
+                        arrays = {n: a for n, a in arrays.items() if n not in replayed} | job.grad.plan.arrays
+                        extensions = (job.grad.records.to_extension(),)
                     tree = job.tree
                     if job.plan.layout is not None:  # the coordinator's JSON values; tensors go by name
                         tree = saveplan.graft(job.tree, [])
-                    meta = StepMeta(step=job.step, kind=job.kind, parent=parent, tree=tree, arrays=arrays,
-                                    layout=job.plan.layout, mesh=job.plan.mesh)
+                    meta = StepMeta(step=job.step, kind="full" if job.kind == "full" else "delta", parent=parent,
+                                    tree=tree, arrays=arrays, layout=job.plan.layout, mesh=job.plan.mesh,
+                                    extensions=extensions)
                     record = StepWriter(self.repo, job.step).commit(meta, merged, documents=job.documents)
                     if self._lock is not None:
                         self._lock.renew()
@@ -776,6 +872,14 @@ def _describe(e: BaseException) -> str:
     if isinstance(e, UCLError):
         return f"[{e.code}] {e.message}"
     return "".join(traceback.format_exception_only(type(e), e)).strip()
+
+
+def _world_of(process_group: Any) -> int:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(process_group) if process_group is not None else dist.get_world_size()
 
 
 def _needed_bases(repo: Repository, keep: set[int]) -> set[int]:

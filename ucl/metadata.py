@@ -32,7 +32,7 @@ MAX_DOC_BYTES = 256 << 20
 MAX_ELEMENTS = 1 << 62
 MAX_INNER_CHUNKS_PER_SHARD = 1 << 24
 SCHEMA_DIR = Path(__file__).with_name("schemas")
-KNOWN_EXTENSIONS: frozenset[str] = frozenset()
+KNOWN_EXTENSIONS: frozenset[str] = frozenset({"ucl.gradient_records"})  # spec/delta.md §8
 
 
 # -- JSON ------------------------------------------------------------------------------------------
@@ -339,6 +339,16 @@ class StepMeta:
     mesh: dict[str, Any] | None = None
     extensions: tuple[dict[str, Any], ...] = ()
 
+    @property
+    def gradient_records(self) -> Any:
+        """The step's :class:`ucl.delta.GradientRecords` (spec/delta.md §8), or None."""
+        for e in self.extensions:
+            if e.get("name") == "ucl.gradient_records":
+                from ucl.delta.records import GradientRecords
+
+                return GradientRecords.from_extension(e)
+        return None
+
     def to_dict(self) -> dict[str, Any]:
         nodes: dict[str, Any] = {}
         for a in self.arrays.values():
@@ -374,13 +384,43 @@ class StepMeta:
                     raise InconsistentMetadataError(f"{what}: array at {key!r} names itself {meta.name!r}", tensor=meta.name, file=what)
                 arrays[meta.name] = meta
         referenced = set(names.iter_tree_tensors(ucl["tree"], what))
-        if not referenced <= set(arrays):
-            missing = sorted(referenced - set(arrays))[0]
+        replayed = _replayed(ucl, referenced, arrays, what)
+        if not referenced - replayed <= set(arrays):
+            missing = sorted(referenced - replayed - set(arrays))[0]
             raise InconsistentMetadataError(f"{what}: the structure tree names tensor {missing!r}, which has no array", tensor=missing, file=what)
         if ucl["kind"] == "delta" and ucl.get("parent") is None:
             raise InconsistentMetadataError(f"{what}: a delta step must name its parent", file=what)
         return cls(step=ucl["step"], kind=ucl["kind"], tree=ucl["tree"], arrays=arrays, parent=ucl.get("parent"),
                    layout=ucl.get("layout"), mesh=ucl.get("mesh"), extensions=tuple(ucl.get("extensions", ())))
+
+
+def _replayed(ucl: dict[str, Any], referenced: set[str], arrays: dict[str, ArrayMeta], what: str) -> set[str]:
+    """Tensors a ``ucl.gradient_records`` step defines by replay (spec/delta.md §8.1): they have no array."""
+    exts = [e for e in ucl.get("extensions", ()) if e.get("name") == "ucl.gradient_records"]
+    if not exts:
+        return set()
+    from ucl.delta.records import GradientRecords
+
+    if len(exts) > 1:
+        raise InconsistentMetadataError(f"{what}: the ucl.gradient_records extension appears twice", file=what)
+    rec = GradientRecords.from_extension(exts[0], f"{what}: ucl.gradient_records")
+    if ucl["kind"] != "delta" or ucl.get("parent") != rec.base_step:
+        raise InconsistentMetadataError(f"{what}: a gradient-record step must be a delta step whose parent is its "
+                                        f"base_step {rec.base_step}", file=what)
+    replayed = rec.replayed(referenced)
+    stored = sorted(replayed & set(arrays))
+    if stored:
+        raise InconsistentMetadataError(f"{what}: tensor {stored[0]!r} is defined by the gradient replay and must "
+                                        "not be stored", tensor=stored[0], file=what)
+    unknown = sorted(set(rec.parameters) - referenced)
+    if unknown:
+        raise InconsistentMetadataError(f"{what}: gradient records name parameter {unknown[0]!r}, which the "
+                                        "structure tree does not", tensor=unknown[0], file=what)
+    for n in rec.parameters:
+        g = arrays.get(rec.gradient_name(n))
+        if g is not None and g.delta is not None:
+            raise InconsistentMetadataError(f"{what}: gradient {g.name!r} must be stored full", tensor=g.name, file=what)
+    return replayed
 
 
 # -- commit records --------------------------------------------------------------------------------

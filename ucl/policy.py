@@ -203,11 +203,16 @@ class DeltaPolicy:
         The parent of a delta step: the previous saved step (small deltas, chains grow by one per save;
         the engine's double buffering holds that base) or the last full step (every chain is one delta
         long, so reads touch two steps, but deltas grow with the distance and the base must be kept).
+    gradients : bool
+        Store a save taken one optimizer step after the previous one as that step's gradients (the
+        ``ucl.gradient_records`` extension, spec/delta.md §8) when ``save(..., optimizer=)`` is given;
+        readers replay the optimizer step. Other saves are full or delta steps as above.
     """
 
     full_every: int | None = None
     max_chain: int = 64
     base: str = "previous"
+    gradients: bool = False
 
     def __post_init__(self) -> None:
         if self.full_every is not None and (
@@ -220,6 +225,8 @@ class DeltaPolicy:
             raise InvalidArgumentError(f"max_chain must be a non-negative integer, got {self.max_chain!r}")
         if self.base not in ("previous", "full"):
             raise InvalidArgumentError(f"base must be 'previous' or 'full', got {self.base!r}")
+        if not isinstance(self.gradients, bool):
+            raise InvalidArgumentError(f"gradients must be a bool, got {self.gradients!r}")
 
     def decide(self, saves_since_full: int | None, previous_chain: int | None = None) -> str:
         """``"full"`` or ``"delta"`` for the next save.

@@ -127,6 +127,25 @@ class LogicalTensor(LazyTensor):
         return out
 
 
+class ReplayedTensor(LazyTensor):
+    """A tensor of a gradient-record step (spec/delta.md §8): defined by replaying the recorded optimizer step
+    on the parent step. Its shape and dtype come from the parent; the first read replays the whole step
+    (every parameter and optimizer state at once, as the optimizer ran) and keeps the result."""
+
+    def __init__(self, ckpt: Checkpoint, name: str, shape: tuple[int, ...], dtype: str) -> None:
+        self._ckpt = ckpt
+        self.meta = None  # type: ignore[assignment]  # not stored in this step
+        self._name, self._shape, self._spec_dtype = name, tuple(shape), dtype
+
+    def read_box(self, start: tuple[int, ...], shape: tuple[int, ...], out: torch.Tensor | None = None) -> torch.Tensor:
+        start, shape = tuple(start), tuple(shape)
+        self._check_bounds(start, shape)
+        out = self._out(shape, out)
+        src = self._ckpt._replayed()[self.name]
+        out.copy_(src[tuple(slice(a, a + n) for a, n in zip(start, shape, strict=True))])
+        return out
+
+
 def _normalize_index(key: Any, shape: tuple[int, ...], name: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[Any, ...]]:
     """Basic indexing -> the covering box and the indexing to apply to it."""
     if not isinstance(key, tuple):
@@ -182,7 +201,8 @@ class Checkpoint:
     record : CommitRecord
     """
 
-    def __init__(self, repo: Repository, step: int, record: CommitRecord, meta: StepMeta) -> None:
+    def __init__(self, repo: Repository, step: int, record: CommitRecord, meta: StepMeta, *,
+                 approximate: bool = False, _depth: int = 0) -> None:
         self.repo = repo
         self.step = step
         self.record = record
@@ -194,6 +214,13 @@ class Checkpoint:
         self._lock = threading.Lock()
         self._index: Any = None
         self.layout_step = meta.layout is not None or any(a.logical for a in meta.arrays.values())
+        self.approximate = approximate
+        self.records = meta.gradient_records  # ucl.delta.GradientRecords of a gradient-record step, or None
+        self._depth = _depth
+        self._names: dict[str, bool] | None = None  # a gradient-record step's tensors: replayed?
+        self._replay: tuple[dict[str, torch.Tensor], list[str]] | None = None
+        self._parent: Checkpoint | None = None
+        self._replay_lock = threading.Lock()
 
     # -- mapping-like ------------------------------------------------------------------------------
     def keys(self) -> list[str]:
@@ -201,17 +228,23 @@ class Checkpoint:
         tensors (sorted by name)."""
         if self.layout_step:
             return list(self._logical().tensors)
+        if self.records is not None:
+            return list(self._tree_names())
         return list(self.meta.arrays)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.keys())
 
     def __len__(self) -> int:
+        if self.records is not None:
+            return len(self._tree_names())
         return len(self._logical().tensors) if self.layout_step else len(self.meta.arrays)
 
     def __contains__(self, name: object) -> bool:
         if self.layout_step:
             return name in self._logical().tensors
+        if self.records is not None:
+            return name in self._tree_names()
         return name in self.meta.arrays
 
     def __getitem__(self, name: str) -> LazyTensor:
@@ -226,10 +259,84 @@ class Checkpoint:
             if meta is not None and not meta.logical:
                 return LazyTensor(self, meta)
             return LogicalTensor(self, name, info[0], info[1])
+        if self.records is not None:
+            if name not in self._tree_names():
+                raise TensorNotFoundError(f"step {self.step} has no tensor {name!r}", tensor=name)
+            if self._tree_names()[name]:
+                base = self._parent_ckpt()[name]
+                return ReplayedTensor(self, name, tuple(base.shape), base._spec_dtype)
         meta = self.meta.arrays.get(name)
         if meta is None:
             raise TensorNotFoundError(f"step {self.step} has no tensor {name!r}", tensor=name)
         return LazyTensor(self, meta)
+
+    # -- gradient records (spec/delta.md §8) ---------------------------------------------------------
+    def _tree_names(self) -> dict[str, bool]:
+        """A gradient-record step's tensors in saved order, each with whether the replay defines it."""
+        if self._names is None:
+            order: list[str] = []
+
+            class _Names(dict):  # type: ignore[type-arg]
+                def __getitem__(self, k: str) -> None:
+                    order.append(k)
+
+            names.unflatten(self.meta.tree, _Names())
+            assert self.records is not None
+            replayed = self.records.replayed(order)
+            self._names = {n: n in replayed for n in order}
+        return self._names
+
+    def _parent_ckpt(self) -> Checkpoint:
+        from ucl.delta.chain import DEFAULT_MAX_CHAIN
+        from ucl.errors import DeltaChainError
+
+        assert self.records is not None
+        with self._lock:
+            if self._parent is None:
+                if self._depth >= DEFAULT_MAX_CHAIN:
+                    raise DeltaChainError(f"step {self.step}: more than {DEFAULT_MAX_CHAIN} gradient-record steps "
+                                          "in a row to replay")
+                base = self.records.base_step
+                record = self.repo.commit_record(base)
+                self._parent = Checkpoint(self.repo, base, record, self.repo.step_meta(base, record),
+                                          approximate=self.approximate, _depth=self._depth + 1)
+            return self._parent
+
+    def _replayed(self) -> dict[str, torch.Tensor]:
+        """Replay the recorded optimizer step once; the parameters and optimizer state it defines."""
+        from ucl.delta.gradients import replay_records
+
+        rec = self.records
+        assert rec is not None
+        if self._replay is None:
+            parent = self._parent_ckpt()
+            with self._replay_lock:  # not self._lock: reading the gradients may take that one
+                if self._replay is None:
+                    tensors = parent.load(flat=True)
+                    state = names.unflatten(parent.meta.tree, tensors)
+                    grads = {n: self.array(rec.gradient_name(n)).read() for n in rec.parameters
+                             if rec.gradient_name(n) in self.meta.arrays}
+                    out, mismatches = replay_records(rec, state, tensors, grads, approximate=self.approximate,
+                                                     what=f"step {self.step}")
+                    missing = sorted(n for n, r in self._tree_names().items() if r and n not in out)
+                    if missing:
+                        from ucl.errors import InconsistentMetadataError
+
+                        raise InconsistentMetadataError(f"step {self.step}: the replay does not define tensor "
+                                                        f"{missing[0]!r}", tensor=missing[0])
+                    self._replay = (out, mismatches)
+                    parent.close()
+        return self._replay[0]
+
+    @property
+    def exact(self) -> bool:
+        """False only for a gradient-record step replayed (with ``approximate=True``) under an optimizer
+        fingerprint that differs from the recorded one, or whose parent is such a step."""
+        if self.records is None:
+            return True
+        self._replayed()
+        assert self._replay is not None and self._parent is not None
+        return not self._replay[1] and self._parent.exact
 
     def array(self, name: str) -> LazyTensor:
         """The stored array ``name`` as it is (for a layout step: what the ranks wrote, e.g. the flat
@@ -331,6 +438,12 @@ class Checkpoint:
         if self.layout_step:
             info = self._logical().tensors
             out = {n: _alloc(n, d, s) for n, (s, d) in info.items()}
+        elif self.records is not None:
+            replayed = self._replayed()
+            out = {n: (replayed[n] if n in replayed else _empty(self.meta.arrays[n], self.meta.arrays[n].shape))
+                   for n in self._tree_names()}
+            self.load_into({n: t for n, t in out.items() if n not in replayed})
+            return out if flat else names.unflatten(self.meta.tree, out)
         else:
             for m in self.meta.arrays.values():
                 self._check_listed(m, (0,) * len(m.shape), m.shape)
@@ -353,7 +466,9 @@ class Checkpoint:
             if tuple(t.shape) != tuple(lt.shape) or t.dtype != lt.dtype or not t.is_contiguous() or t.device.type != "cpu":
                 raise InvalidArgumentError(f"destination for {n!r} must be a contiguous CPU {lt.dtype} tensor of shape "
                                            f"{list(lt.shape)}, got {t.dtype} {list(t.shape)}", tensor=n)
-            if lt.meta is not None:
+            if isinstance(lt, ReplayedTensor):
+                lt.read(t)
+            elif lt.meta is not None:
                 reqs.append(Request(lt.meta, (0,) * len(lt.meta.shape), lt.meta.shape, t))
             elif t.numel():
                 full = ((0,) * t.dim(), tuple(t.shape))
@@ -564,7 +679,7 @@ def _row_major_pieces(shape: tuple[int, ...], limit: int) -> list[tuple[tuple[in
 
 
 def open(path: str | os.PathLike[str] | Store, step: int | None = None, *,  # noqa: A001
-         storage_options: dict[str, Any] | None = None) -> Checkpoint:
+         storage_options: dict[str, Any] | None = None, approximate: bool = False) -> Checkpoint:
     """Open a committed step (the latest when ``step`` is None) for lazy reading.
 
     Parameters
@@ -573,6 +688,10 @@ def open(path: str | os.PathLike[str] | Store, step: int | None = None, *,  # no
         A local directory or an fsspec URL.
     step
         The step to open; None opens the newest committed step.
+    approximate
+        For a gradient-record step (spec/delta.md §8) whose optimizer fingerprint differs from this
+        environment: replay it anyway (a ``ReplayWarning``; ``Checkpoint.exact`` is False) instead of
+        failing with ``unknown_extension``.
 
     Raises
     ------
@@ -587,11 +706,11 @@ def open(path: str | os.PathLike[str] | Store, step: int | None = None, *,  # no
         if step is None:
             raise CheckpointNotFoundError(f"{repo.url} has no committed step", file=repo.url)
     record = repo.commit_record(step)
-    return Checkpoint(repo, step, record, repo.step_meta(step, record))
+    return Checkpoint(repo, step, record, repo.step_meta(step, record), approximate=approximate)
 
 
 def load(path: str | os.PathLike[str] | Store, step: int | None = None, *,
-         storage_options: dict[str, Any] | None = None, flat: bool = False) -> Any:
+         storage_options: dict[str, Any] | None = None, flat: bool = False, approximate: bool = False) -> Any:
     """Read a whole step: the state dict as it was saved (see :meth:`Checkpoint.load`)."""
-    with open(path, step, storage_options=storage_options) as ckpt:
+    with open(path, step, storage_options=storage_options, approximate=approximate) as ckpt:
         return ckpt.load(flat=flat)

@@ -52,7 +52,8 @@ def test_replay_matches_the_next_full_step_bit_for_bit(foreach: bool) -> None:
     for i, st in full[1]["state"].items():
         for k in ("exp_avg", "exp_avg_sq", "step"):
             assert bits_equal(o2.state_dict()["state"][i][k].float(), st[k].float()), (i, k)
-    ext = GradientRecords(base_step=3, fingerprint=fp).to_extension()
+    ext = GradientRecords(base_step=3, fingerprint=fp, parameters=tuple(f"model/{n}" for n in full[0]),
+                          param_groups=({"lr": 1e-2},)).to_extension()
     assert GradientRecords.from_extension(ext).fingerprint == fp
 
 

@@ -145,9 +145,18 @@ def test_gradient_records_extension_round_trips() -> None:
         dtype="float32",
         device="cpu",
     )
-    ext = GradientRecords(base_step=41, fingerprint=fp).to_extension()
+    rec = GradientRecords(base_step=41, fingerprint=fp, parameters=("model/w", "model/b"),
+                          param_groups=({"lr": 3e-4, "betas": [0.9, 0.999]},))
+    ext = rec.to_extension()
     validator("gradient_records").validate(ext)
-    assert GradientRecords.from_extension(json.loads(json.dumps(ext))) == GradientRecords(41, fp)
+    assert GradientRecords.from_extension(json.loads(json.dumps(ext))) == rec
+    for key, value, match in (("parameters", ["a", "a"], "twice"), ("param_groups", [], "non-empty"),
+                              ("param_groups", [{"params": [0]}], "without 'params'"), ("gradients", "", "non-empty")):
+        bad = json.loads(json.dumps(ext))
+        bad["configuration"][key] = value
+        with pytest.raises(SchemaError, match=match):
+            GradientRecords.from_extension(bad)
+        assert not validator("gradient_records").is_valid(bad)
     bad = json.loads(json.dumps(ext))
     bad["configuration"]["fingerprint"]["implementation"] = "cuda-graph"
     with pytest.raises(SchemaError, match="implementation must be"):

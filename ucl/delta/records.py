@@ -151,11 +151,28 @@ class OptimizerFingerprint:
 
 @dataclass(frozen=True)
 class GradientRecords:
-    """Configuration of the ``ucl.gradient_records`` step extension (spec/delta.md §8)."""
+    """Configuration of the ``ucl.gradient_records`` step extension (spec/delta.md §8).
+
+    ``parameters`` are the tensor names of the optimizer's parameters in its ``state_dict()`` order
+    (parameter ``i`` is ``parameters[i]``; its gradient, when it had one, is the array
+    ``gradients + parameters[i]``); ``optimizer_state`` is the tree prefix of ``optimizer.state_dict()``;
+    ``param_groups`` are the hyperparameters each group ran the step with (``params`` left out).
+    """
 
     base_step: int
     fingerprint: OptimizerFingerprint
     gradients: str = "grad/"  # prefix of the gradient tensors' names in the step
+    parameters: tuple[str, ...] = ()
+    optimizer_state: str = "optim"
+    param_groups: tuple[dict[str, Any], ...] = ()
+
+    def gradient_name(self, parameter: str) -> str:
+        return self.gradients + parameter
+
+    def replayed(self, tree_tensors: Any) -> set[str]:
+        """The tensor names the replay defines: the parameters and the optimizer's per-parameter state."""
+        state = self.optimizer_state + "/state/"
+        return set(self.parameters) | {n for n in tree_tensors if n.startswith(state)}
 
     def to_extension(self) -> dict[str, Any]:
         return {
@@ -164,6 +181,9 @@ class GradientRecords:
             "configuration": {
                 "base_step": self.base_step,
                 "gradients": self.gradients,
+                "parameters": list(self.parameters),
+                "optimizer_state": self.optimizer_state,
+                "param_groups": [dict(g) for g in self.param_groups],
                 "fingerprint": self.fingerprint.to_dict(),
             },
         }
@@ -173,11 +193,28 @@ class GradientRecords:
         _keys(ext, what, {"name", "configuration"}, {"must_understand"})
         if ext["name"] != GRADIENT_RECORDS:
             raise SchemaError(f"{what}: name must be {GRADIENT_RECORDS!r}")
-        conf = _keys(ext["configuration"], f"{what} configuration", {"base_step", "gradients", "fingerprint"})
-        if not isinstance(conf["gradients"], str):
-            raise SchemaError(f"{what}: gradients must be a string prefix")
+        if ext.get("must_understand", True) is not True:
+            raise SchemaError(f"{what}: must_understand must be true")
+        conf = _keys(ext["configuration"], f"{what} configuration",
+                     {"base_step", "gradients", "parameters", "optimizer_state", "param_groups", "fingerprint"})
+        if not isinstance(conf["gradients"], str) or not conf["gradients"]:
+            raise SchemaError(f"{what}: gradients must be a non-empty string prefix")
+        if not isinstance(conf["optimizer_state"], str) or not conf["optimizer_state"]:
+            raise SchemaError(f"{what}: optimizer_state must be a non-empty tensor name prefix")
+        params = conf["parameters"]
+        if not isinstance(params, list) or not all(isinstance(p, str) and p for p in params):
+            raise SchemaError(f"{what}: parameters must be a list of tensor names")
+        if len(set(params)) != len(params):
+            raise SchemaError(f"{what}: parameters name a tensor twice")
+        groups = conf["param_groups"]
+        if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) and "params" not in g
+                                                                 for g in groups):
+            raise SchemaError(f"{what}: param_groups must be a non-empty list of objects without 'params'")
         return cls(
             base_step=_int(conf["base_step"], f"{what}: base_step"),
             gradients=conf["gradients"],
             fingerprint=OptimizerFingerprint.from_dict(conf["fingerprint"], f"{what}: fingerprint"),
+            parameters=tuple(params),
+            optimizer_state=conf["optimizer_state"],
+            param_groups=tuple(dict(g) for g in groups),
         )
