@@ -47,7 +47,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from ucl import metadata
+from ucl.delta.records import GRADIENT_RECORDS
 from ucl.errors import InvalidArgumentError, UCLError
 from ucl.metadata import ArrayMeta, CommitRecord, StepMeta
 from ucl.progress import Progress
@@ -55,7 +58,7 @@ from ucl.reader import Checkpoint
 from ucl.repo import Repository, check_step, commit_key, step_prefix
 from ucl.shard import choose_inner_chunk, encode_shard, shard_digest
 from ucl.storage import LocalStore, Store
-from ucl.writer import FileEntry, all_shards
+from ucl.writer import FileEntry, all_shards, array_for
 
 __all__ = ["CompactResult", "GCReport", "compact", "gc"]
 
@@ -320,11 +323,19 @@ def _stage(repo: Repository, step: int, record: CommitRecord, meta: StepMeta, co
     arrays = {n: ArrayMeta(name=a.name, shape=a.shape, dtype=a.dtype, chunk_shape=a.chunk_shape,
                            inner_chunk_shape=choose_inner_chunk(a.chunk_shape, a.itemsize), compression=comp,
                            logical=a.logical) for n, a in meta.arrays.items()}
+    extensions = meta.extensions
     files: dict[str, FileEntry] = {}
     with Checkpoint(repo, step, record, meta) as ckpt, \
             Progress(sum(a.nbytes for a in arrays.values()), "compact", enabled=progress) as bar:
+        if meta.gradient_records is not None:  # the full step stores what the replay defines, not gradients
+            arrays = {}
+            for n in ckpt.keys():
+                t = ckpt[n]
+                arrays[n] = array_for(n, torch.empty(t.shape, dtype=t.dtype, device="meta"), compression=comp)
+            extensions = tuple(e for e in extensions if e.get("name") != GRADIENT_RECORDS)
         for name, a in arrays.items():
-            lt = ckpt.array(name)  # the stored array (a layout step's ckpt[name] is the logical tensor)
+            # the stored array (a layout step's ckpt[name] is the logical tensor); a gradient step's tensor
+            lt = ckpt[name] if meta.gradient_records is not None else ckpt.array(name)
             for coords in all_shards(a):
                 start = tuple(c * k for c, k in zip(coords, a.chunk_shape, strict=True))
                 size = tuple(min(k, n - s) for k, n, s in zip(a.chunk_shape, a.shape, start, strict=True))
@@ -334,7 +345,7 @@ def _stage(repo: Repository, step: int, record: CommitRecord, meta: StepMeta, co
                 files[rel] = (store.write(f"{staging}/{rel}", buffers)[0], shard_digest(buffers))
                 bar.update(block.numel() * block.element_size())
     full = StepMeta(step=step, kind="full", tree=meta.tree, arrays=arrays, parent=None, layout=meta.layout,
-                    mesh=meta.mesh, extensions=meta.extensions)
+                    mesh=meta.mesh, extensions=extensions)
     doc = full.to_dict()
     for rel, node in doc["consolidated_metadata"]["metadata"].items():
         files[f"{rel}/zarr.json"] = store.write(f"{staging}/{rel}/zarr.json", [metadata.dumps(node)])

@@ -51,6 +51,7 @@ class Report:
     problems: list[Problem] = field(default_factory=list)
     files_checked: int = 0
     bytes_checked: int = 0
+    _deps: dict[int, list[UCLError]] = field(default_factory=dict, repr=False)  # steps others replay on
 
     @property
     def ok(self) -> bool:
@@ -161,6 +162,8 @@ def _validate_step(repo: Repository, step: int, report: Report, checksums: bool)
                                              "step owns", file=f"{step_prefix(step)}/{p}"), step)
     if meta.kind == "delta":
         _check_chain(repo, step, meta, report)
+    if meta.gradient_records is not None:
+        _check_replay(repo, step, meta, report)
 
 
 def _holding(arr: ArrayMeta) -> set[tuple[int, ...]] | None:
@@ -267,6 +270,68 @@ class _bytes_of:
         if self._mm is not None:
             self._view.release()
             self._mm.close()
+
+
+def _check_replay(repo: Repository, step: int, meta: StepMeta, report: Report) -> None:
+    """Gradient-record steps (spec/delta.md §8): the replay reads the parent's whole state, so the parent
+    (and, while it is itself a gradient-record step, its parent) must be sound; each stored gradient must
+    have its parameter's shape and dtype. Problems are ``broken_chain`` on this step, naming the parent."""
+    from ucl.delta.chain import DEFAULT_MAX_CHAIN
+    from ucl.errors import DeltaChainError
+
+    rec = meta.gradient_records
+    grads = {n: meta.arrays[rec.gradient_name(n)] for n in rec.parameters if rec.gradient_name(n) in meta.arrays}
+    cur = meta
+    for _ in range(DEFAULT_MAX_CHAIN + 1):
+        r = cur.gradient_records
+        if r is None:
+            break
+        parent = r.base_step
+        try:
+            prec = repo.commit_record(parent)
+            pmeta = repo.step_meta(parent, prec)
+        except UCLError as e:
+            report.add(DeltaChainError(f"step {step} replays its optimizer step on step {parent}, which is not "
+                                       f"readable: [{e.code}] {e.message}", file=e.file), step)
+            return
+        for name in sorted(grads):
+            a = pmeta.arrays.get(name)
+            if a is not None:
+                g = grads.pop(name)
+                if tuple(a.shape) != tuple(g.shape) or a.dtype != g.dtype:
+                    report.add(DeltaChainError(f"step {step}: gradient {g.name!r} is {list(g.shape)} {g.dtype}, parameter "
+                                               f"{name!r} of step {parent} is {list(a.shape)} {a.dtype}",
+                                               tensor=g.name), step)
+        for e in _parent_problems(repo, parent, prec, pmeta, report):
+            report.add(DeltaChainError(f"step {step} replays its optimizer step on step {parent}, which is invalid: "
+                                       f"[{e.code}] {e.message}", tensor=e.tensor, file=e.file), step)
+        cur = pmeta
+    else:
+        report.add(DeltaChainError(f"step {step}: more than {DEFAULT_MAX_CHAIN} gradient-record steps in a row"), step)
+        return
+    for name in sorted(grads):
+        report.add(DeltaChainError(f"step {step}: gradient records name parameter {name!r}, which no step of its "
+                                   "replay chain stores", tensor=name), step)
+
+
+def _parent_problems(repo: Repository, step: int, record: CommitRecord, meta: StepMeta, report: Report) -> list[UCLError]:
+    """Integrity of every array of ``step`` and of its delta chain (cached per validation run)."""
+    cache = report._deps
+    if step not in cache:
+        from ucl.delta.validate import validate_chain
+
+        found: list[UCLError] = []
+        for arr in meta.arrays.values():
+            prefix = f"{arr.key}/c"
+            for rel in sorted(r for r in record.files if r == prefix or r.startswith(prefix + "/")):
+                try:
+                    repo.read_verified(step, rel, record, n_inner=arr.n_inner)
+                except UCLError as e:
+                    found.append(e)
+        if meta.kind == "delta":
+            found += list(validate_chain(repo, step, meta))
+        cache[step] = found
+    return cache[step]
 
 
 def _check_chain(repo: Repository, step: int, meta: StepMeta, report: Report) -> None:
