@@ -1,0 +1,276 @@
+"""Reading delta steps end to end: a step at chain depth 8 beside the same state stored full.
+
+    python bench/delta_read.py [--d-model 512] [--layers 4] [--vocab 4096] [--warmup 10] [--chain 8]
+                               [--repeat 3] [--dir DIR] [--drop auto|fadvise|drop_caches] [--keep]
+
+Trains the small transformer of bench/delta_codec.py (CPU, fp32, AdamW) and keeps ``--chain + 1``
+consecutive states. The real engine writes them three times:
+
+* ``base='previous'``: ``ucl.engine.CheckpointManager(path, delta=DeltaPolicy(base="previous"))``,
+  steps 0..N: step 0 full, step k a delta of step k-1, so step N is at chain depth N (N = ``--chain``,
+  8 by default);
+* ``base='full'``: ``DeltaPolicy(base="full")``, steps 0..N: every delta step is a delta of step 0, so
+  step N is one delta, N steps away from its base;
+* ``full``: the last state alone, stored full (``delta=None``), as step N.
+
+Then, in one process, round after round (rotated order; the table gives the median of ``--repeat``
+rounds), step N of each repository is read whole with ``ucl.open(path, N).load(flat=True)``:
+
+* cold: the page cache of every repository dropped first (fsync + posix_fadvise DONTNEED per file,
+  checked with mincore, as bench/read.py; ``--drop drop_caches`` uses /proc/sys/vm/drop_caches);
+* warm: every file the read needs read once beforehand (buffered), so it is all in the page cache.
+
+Reported per read: wall seconds (open included), the ratio to reading the full step, CPU seconds of the
+process (every thread), what the reader says it read (``Checkpoint.bytes_read``: indexes and payloads of
+every link) and what the disk delivered (/proc/self/io read_bytes). Every read is checked bit for bit
+against the state written. A second table gives the bytes on disk of each step of each policy, so that
+the read time can be weighed against what each policy stores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common as C  # noqa: E402
+from delta_codec import train_states  # noqa: E402
+
+CASES = ["full", "previous", "full-base"]
+LABELS = {
+    "full": "full step (delta=None)",
+    "previous": "base='previous', chain depth {n}",
+    "full-base": "base='full', 1 delta {n} steps from its base",
+}
+
+
+def nested(flat: dict[str, Any]) -> dict[str, Any]:
+    """``{"model/emb.weight": a, "optim/emb.weight/exp_avg": b}`` -> nested dicts of torch tensors."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for name, a in flat.items():
+        *path, leaf = name.split("/")
+        d = out
+        for p in path:
+            d = d.setdefault(p, {})
+        d[leaf] = torch.from_numpy(a)
+    return out
+
+
+def write_repos(states: list[dict[str, Any]], d: str) -> tuple[dict[str, str], dict[str, float]]:
+    from ucl.engine import CheckpointManager
+    from ucl.policy import DeltaPolicy
+
+    last = len(states) - 1
+    paths = {c: os.path.join(d, c) for c in CASES}
+    seconds = {}
+    for c, policy in (("previous", DeltaPolicy(base="previous")), ("full-base", DeltaPolicy(base="full"))):
+        t0 = time.perf_counter()
+        with CheckpointManager(paths[c], delta=policy) as mgr:
+            for k, s in enumerate(states):
+                mgr.save(k, nested(s))
+            mgr.wait()
+        seconds[c] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with CheckpointManager(paths["full"]) as mgr:
+        mgr.save(last, nested(states[-1]))
+        mgr.wait()
+    seconds["full"] = time.perf_counter() - t0
+    return paths, seconds
+
+
+def step_bytes(path: str, step: int) -> int:
+    """Bytes of a step on disk: its directory (documents and shards) and its commit record."""
+    rec = os.path.join(path, "commits", f"{step}.json")
+    return C.tree_bytes([os.path.join(path, "steps", str(step))]) + os.path.getsize(rec)
+
+
+def chain_files(path: str, step: int) -> list[str]:
+    """Every file of the step and of the steps its chain goes through (what a warm read finds cached)."""
+    import ucl
+
+    repo = ucl.Repository.open(path)
+    dirs, s = [], step
+    while s is not None:
+        dirs.append(os.path.join(path, "steps", str(s)))
+        rec = repo.commit_record(s)
+        s = rec.parent if rec.kind == "delta" else None
+    return C.files_under(dirs)
+
+
+def warm(files: list[str]) -> None:
+    for f in files:
+        with open(f, "rb") as fh:
+            while fh.read(8 << 20):
+                pass
+
+
+def bits_equal(got: dict[str, Any], want: dict[str, Any]) -> bool:
+    import numpy as np
+
+    if set(got) != set(want):
+        return False
+    for k, a in want.items():
+        t = got[k]
+        if tuple(t.shape) != a.shape or not np.array_equal(t.numpy().view(np.uint8), a.view(np.uint8)):
+            return False
+    return True
+
+
+def read_once(path: str, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    import ucl
+
+    cpu0 = time.process_time()
+    with C.Meter() as m, ucl.open(path, step) as ck:
+        out = ck.load(flat=True)
+        lib = ck.bytes_read
+    res = m.result(cpu=time.process_time() - cpu0, lib=lib)
+    return out, res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--warmup", type=int, default=10, help="training steps before the first state kept")
+    ap.add_argument("--chain", type=int, default=8, help="chain depth of the step read (base='previous')")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds of reads (median)")
+    ap.add_argument("--dir", help="where to write (default: a temporary directory under /tmp, removed after)")
+    ap.add_argument("--drop", choices=["auto", "fadvise", "drop_caches"], default="auto")
+    ap.add_argument("--keep", action="store_true", help="keep the repositories written")
+    args = ap.parse_args(argv)
+    cmd = "python bench/delta_read.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    t_all = time.perf_counter()
+
+    args.pairs = args.chain
+    t0 = time.perf_counter()
+    states = train_states(args)  # chain + 1 consecutive states
+    t_train = time.perf_counter() - t0
+    import torch
+
+    import ucl
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    last = len(states) - 1
+    raw = sum(a.nbytes for a in states[-1].values())
+    own = args.dir is None
+    d = tempfile.mkdtemp(prefix="ucl-bench-delta-read-", dir="/tmp") if own else os.path.abspath(args.dir)
+    os.makedirs(d, exist_ok=True)
+    try:
+        for c in CASES:
+            shutil.rmtree(os.path.join(d, c), ignore_errors=True)
+        paths, wsec = write_repos(states, d)
+        want = {n: a for n, a in states[-1].items()}
+        del states
+        gc.collect()
+        needed = {c: chain_files(paths[c], last) for c in CASES}
+        every = [paths[c] for c in CASES]
+        # first reads: imports, zstd contexts, thread pools; checks the data once
+        for c in CASES:
+            out, _ = read_once(paths[c], last)
+            if not bits_equal(out, want):
+                raise RuntimeError(f"{c}: step {last} read back differs from the state written")
+            del out
+        results: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        drop = "-"
+        for r in range(args.repeat):
+            order = CASES[r % len(CASES) :] + CASES[: r % len(CASES)]
+            for temp in ("cold", "warm"):
+                for c in order:
+                    gc.collect()
+                    if temp == "cold":
+                        drop = C.drop_cache(every, args.drop)
+                        left = C.cached_fraction(every)
+                        if left > 0.001:
+                            raise RuntimeError(f"{left:.1%} of the repositories' pages are still cached")
+                    else:
+                        warm(needed[c])
+                    out, res = read_once(paths[c], last)
+                    if r == 0 and not bits_equal(out, want):
+                        raise RuntimeError(f"{c}: step {last} read back differs from the state written")
+                    del out
+                    results.setdefault((temp, c), []).append(res)
+        sizes = {c: [step_bytes(paths[c], s) for s in range(last + 1)] for c in CASES if c != "full"}
+        full_size = step_bytes(paths["full"], last)
+        print(report(args, cmd, results, sizes, full_size, raw, len(want), wsec, t_train, drop,
+                     time.perf_counter() - t_all, ucl))
+    finally:
+        if own and not args.keep:
+            shutil.rmtree(d, ignore_errors=True)
+    return 0
+
+
+def report(args: argparse.Namespace, cmd: str, results: dict[tuple[str, str], list[dict[str, Any]]],
+           sizes: dict[str, list[int]], full_size: int, raw: int, n_tensors: int, wsec: dict[str, float],
+           t_train: float, drop: str, elapsed: float, ucl: Any) -> str:
+    n = args.chain
+    med = {k: {f: C.median([v[f] for v in vs]) for f in vs[0]} for k, vs in results.items()}
+    out = [
+        f"`{cmd}`",
+        "",
+        f"{C.machine_line()}; load average {os.getloadavg()[0]:.2f}; {args.layers}-layer d={args.d_model} "
+        f"vocab={args.vocab} transformer, AdamW fp32, {n_tensors} tensors, {C.fmt_bytes(raw)} per step; "
+        f"states after training steps {args.warmup + 1}..{args.warmup + n + 1} (trained in {t_train:.0f} s); "
+        f"written in " + ", ".join(f"{c} {s:.1f} s" for c, s in wsec.items())
+        + f"; median of {args.repeat} rounds; cold = page cache dropped with {drop}; total {elapsed:.0f} s.",
+        "",
+        f"**Reading step {n} whole** (`ucl.open(path, {n}).load(flat=True)`, open included): ratio = seconds "
+        "/ seconds of the full step at the same temperature; CPU = process CPU time (every thread); "
+        "library bytes = `Checkpoint.bytes_read` (indexes and payloads of every link); disk = "
+        "/proc/self/io read_bytes.",
+        "",
+    ]
+    rows = []
+    for temp in ("cold", "warm"):
+        ref = med[(temp, "full")]["seconds"]
+        for c in CASES:
+            m = med[(temp, c)]
+            rows.append([
+                f"{temp}: {LABELS[c].format(n=n)}",
+                f"{m['seconds']:.3f}",
+                f"{m['seconds'] / ref:.2f}x",
+                f"{m['cpu']:.2f}",
+                C.fmt_bytes(m["lib"]),
+                C.fmt_bytes(m["disk"]),
+            ])
+    out.append(C.markdown_table(["read", "seconds", "vs full", "CPU s", "library bytes", "disk read"], rows))
+    hdr = ["policy", *(f"step {s}" for s in range(n + 1)), "mean delta", f"steps 0..{n}"]
+    srows = []
+    for c, xs in sizes.items():
+        deltas = xs[1:]
+        srows.append([f"base='{c if c == 'previous' else 'full'}'", *(C.fmt_bytes(x) for x in xs),
+                      C.fmt_bytes(sum(deltas) / max(1, len(deltas))), C.fmt_bytes(sum(xs))])
+    srows.append(["full every step (delta=None)", *([C.fmt_bytes(full_size)] * (n + 1)), "-",
+                  C.fmt_bytes(full_size * (n + 1))])
+    out += [
+        "",
+        f"**Bytes per step on disk** (the step's directory and commit record; step 0 is full in both delta "
+        f"repositories; the full step of this state: {C.fmt_bytes(full_size)}, raw tensors "
+        f"{C.fmt_bytes(raw)}):",
+        "",
+        C.markdown_table(hdr, srows),
+    ]
+    ref = med[("cold", "full")]["seconds"]
+    prev, fb = (med[("cold", c)]["seconds"] / ref for c in ("previous", "full-base"))
+    out += [
+        "",
+        f"**Target** (reconstructing a step from a chain of {n} <= 2x the time of reading a full step, "
+        "cold): "
+        f"base='previous' {prev:.2f}x ({'met' if prev <= 2 else 'NOT met'}), base='full' {fb:.2f}x "
+        f"({'met' if fb <= 2 else 'NOT met'}).",
+    ]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
