@@ -150,7 +150,7 @@ def act_train(d: Demo) -> None:
         train_step(probe, probe_opt, d.data.batch(step))
         base.append(time.perf_counter() - t0)
     del probe, probe_opt
-    policy = DeltaPolicy(full_every=a.full_every)
+    policy = DeltaPolicy(full_every=a.full_every, gradients=a.gradient_records)
     records: dict[int, Any] = {}
     t_loop = time.perf_counter()
     with CheckpointManager(d.repo, delta=policy, keep_last=a.keep_last) as mgr:
@@ -159,7 +159,9 @@ def act_train(d: Demo) -> None:
             t0 = time.perf_counter()
             d.losses[step] = train_step(d.model, d.opt, d.data.batch(step))
             t1 = time.perf_counter()
-            handles[step] = mgr.save(step, full_state(d.model, d.opt))  # returns once staged
+            # returns once staged; with the optimizer, a save one step after the previous stores its gradients
+            handles[step] = mgr.save(step, full_state(d.model, d.opt),
+                                     optimizer=d.opt if a.gradient_records else None)
             t2 = time.perf_counter()
             d.train_times.append(t1 - t0)
             d.save_times.append(t2 - t1)
@@ -176,6 +178,8 @@ def act_train(d: Demo) -> None:
     d.step = a.steps
     full = [r for r in records.values() if r.kind == "full"]
     deltas = [r for r in records.values() if r.kind == "delta"]
+    grads = [r for r in deltas if any(f.startswith("grad/") for f in r.files)]  # gradient-record steps
+    states = [r for r in deltas if r not in grads]
     d.step_bytes = statistics.median(record_bytes(r) for r in full)
     d.delta_bytes = statistics.median(record_bytes(r) for r in deltas) if deltas else 0
     d.n_tensors = len(next(iter(records.values())).files)
@@ -183,7 +187,7 @@ def act_train(d: Demo) -> None:
     d.check("loss decreases", last < first,
             f"{first:.4f} -> {last:.4f} (best possible <= {d.data.loss_bound:.2f})")
     d.check("every step committed", sorted(records) == list(range(1, a.steps + 1)),
-            f"steps 1..{a.steps}: {len(full)} full, {len(deltas)} delta")
+            f"steps 1..{a.steps}: {len(full)} full, {len(deltas)} delta ({len(grads)} of them gradient records)")
     kept = ucl.Repository.open(d.repo).steps()
     newest = list(range(max(1, a.steps - a.keep_last + 1), a.steps + 1))
     d.check("retention kept the newest steps and the bases their deltas need", kept[-len(newest):] == newest
@@ -193,6 +197,10 @@ def act_train(d: Demo) -> None:
     wall = loop / (med(base) * a.steps) - 1
     print(f"  bytes per step: full {fmt_bytes(d.step_bytes)}, delta {fmt_bytes(d.delta_bytes)} "
           f"({d.step_bytes / max(d.delta_bytes, 1):.2f}x smaller, bit-exact)")
+    for label, group in (("gradient records", grads), ("state deltas", states)):
+        if group:
+            b = statistics.median(record_bytes(r) for r in group)
+            print(f"    {label}: {len(group)} steps of median {fmt_bytes(b)} ({d.step_bytes / max(b, 1):.2f}x smaller)")
     print(f"  checkpoint cost: save blocks {1e3 * med(d.save_times):.1f} ms = {100 * block:.1f}% of a "
           f"{1e3 * med(d.train_times):.0f} ms step; loop wall time {100 * wall:+.1f}% vs steps without saves")
     d.summary["model"] = (f"{a.preset}: {c.n_params / 1e6:.2f}M params; model + AdamW state "
@@ -599,6 +607,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
     p.add_argument("--full-every", type=int, default=10, help="a full step every N saves, deltas between")
     p.add_argument("--keep-last", type=int, default=4, help="retention: keep the newest N steps")
+    p.add_argument("--gradient-records", action=argparse.BooleanOptionalAction, default=True,
+                   help="store a save one optimizer step after the previous as its gradients (spec/delta.md §8)")
     p.add_argument("--crash-child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.steps < 2 or a.crash_after < 0 or a.resume_steps < 0 or a.full_every < 1 or a.keep_last < 1:
