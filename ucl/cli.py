@@ -126,10 +126,22 @@ def cmd_info(a: argparse.Namespace) -> int:
                 "source": None if source is None else {"format": source.get("format"),
                                                        "files": sorted(set(source.get("weight_map", {}).values()))},
                 "tensors": tensors}
+        rec = ckpt.records
+        if rec is not None:  # spec/delta.md §8: the parameters and optimizer state are replayed
+            replayed = sorted(n for n in ckpt.keys() if n not in ckpt.meta.arrays)
+            info["gradient_records"] = {"base_step": rec.base_step, "optimizer": rec.fingerprint.optimizer,
+                                        "implementation": rec.fingerprint.implementation,
+                                        "torch_version": rec.fingerprint.torch_version,
+                                        "parameters": len(rec.parameters), "replayed": replayed}
         lines = [f"step {ckpt.step} ({ckpt.kind}), {len(tensors)} tensors, {ckpt.record.nbytes / 1e6:.1f} MB, "
                  f"committed {ckpt.record.time}"]
         if ckpt.kind == "delta":
             lines.append("chain: " + " -> ".join(map(str, info["chain"])) + " (full base last)")
+        if rec is not None:
+            g = info["gradient_records"]
+            lines.append(f"gradient records: {g['parameters']} parameters and their optimizer state ({len(replayed)} "
+                         f"tensors) replayed from step {rec.base_step} with {g['optimizer']} ({g['implementation']}, "
+                         f"torch {g['torch_version']}); stored: the gradients")
         lines.append("layout: " + ("none (saved by one process)" if ckpt.meta.layout is None
                                    else json.dumps(ckpt.meta.layout, separators=(",", ":"))[:400]))
         if ckpt.meta.mesh is not None:

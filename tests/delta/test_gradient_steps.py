@@ -215,3 +215,19 @@ def test_bad_configurations_are_refused(tmp_path: Any) -> None:
             mgr.save(1, {"model": model.state_dict()}, optimizer=opt)
     with pytest.raises(InvalidArgumentError, match="gradients must be a bool"):
         DeltaPolicy(gradients="yes")  # type: ignore[arg-type]
+
+
+def test_cli_info_describes_a_gradient_step(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from ucl.cli import main
+
+    path = str(tmp_path / "r")
+    run(path, "adamw-foreach", 2, DeltaPolicy(gradients=True))
+    assert main(["info", path, "--step", "2", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    g = info["gradient_records"]
+    assert g["base_step"] == 1 and g["optimizer"] == "torch.optim.adamw.AdamW" and g["parameters"] == 5
+    assert "model/1.weight" in g["replayed"] and "optim/state/0/exp_avg" in g["replayed"]
+    assert {t["name"] for t in info["tensors"]} == {f"grad/model/{n}" for n in
+                                                    ("0.weight", "1.weight", "1.bias", "3.weight", "3.bias")}
