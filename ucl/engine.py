@@ -116,6 +116,7 @@ class _GradJob:
     records: Any  # ucl.delta.GradientRecords (base_step = parent)
     staged: dict[str, torch.Tensor]  # gradient arrays' names -> staged gradients
     plan: saveplan.SavePlan  # the gradients' arrays (stored full, zstd)
+    only: bool = False  # the replayed tensors were not staged: the step can only be stored as gradients
 
     @property
     def replayed(self) -> set[str]:
@@ -219,6 +220,8 @@ class CheckpointManager:
         self._last_saved: int | None = None  # the step of the previous (not skipped) save
         self._head: int | None = None  # the newest committed step of this manager (delta mode)
         self._grad_plans: dict[Any, saveplan.SavePlan] = {}
+        self._c_since_full: int | None = None  # the caller's count of saves since a full one (gradient mode)
+        self._grad_reset = False  # set by the persister after a failed save: stage the next state whole
         if interval is not None and not isinstance(interval, AdaptiveInterval):
             raise InvalidArgumentError(f"interval must be a ucl.policy.AdaptiveInterval, got {interval!r}")
         self.interval = interval
@@ -303,6 +306,16 @@ class CheckpointManager:
             tensors = self._dtensor_locals(tensors)
         plan = self._plan(tensors)
         grads = self._gradients(tensors, optimizer) if optimizer is not None else None
+        only = False
+        if self.delta is not None and self.delta.gradients:
+            # the caller mirrors the persister's full/delta count: a save that will be a delta and can be
+            # gradient records stages only the gradients and the tensors the replay does not define (the
+            # parameters and optimizer state are most of the copy that blocks training)
+            if self._grad_reset:
+                self._grad_reset, self._c_since_full = False, None
+            full_next = self.delta.decide(self._c_since_full) == "full"
+            only = grads is not None and not full_next
+            self._c_since_full = 0 if full_next else (self._c_since_full or 0) + 1
         if self.world == 1:  # files of an earlier attempt that never committed (ranks > 1: `ucl gc`)
             self.repo.store.delete_prefix(step_prefix(step))
         handle = SaveHandle(step)
@@ -314,12 +327,15 @@ class CheckpointManager:
         for i, piece in enumerate(pieces):
             stage = {s: tensors[s] for s in piece}
             if grads is not None:  # one piece (delta mode stages whole states): the gradients go with it
+                if only:
+                    replayed = grads[0].replayed
+                    stage = {s: t for s, t in stage.items() if s not in replayed}
                 stage.update(grads[1])
             slot = self._acquire_slot(sum(_aligned(t.numel() * t.element_size()) for t in stage.values()))
             try:
                 staged = self._stage(slot, stage)
                 if grads is not None:
-                    grad_job = replace(grads[0], staged={n: staged.pop(n) for n in grads[1]})
+                    grad_job = replace(grads[0], staged={n: staged.pop(n) for n in grads[1]}, only=only)
             except BaseException as e:
                 self._release(slot)
                 if i == 0:  # nothing queued yet: this save simply fails
@@ -582,6 +598,7 @@ class CheckpointManager:
                     collected.setdefault(job.step, {}).update(files)
             except BaseException as e:  # noqa: BLE001 - any failure fails this save's handle
                 failed[job.step] = e
+                self._grad_reset = True  # gradient records of the next save would have no parent
             finally:
                 if job.slot is not None and self.delta is None:
                     self._release(job.slot)
@@ -594,6 +611,7 @@ class CheckpointManager:
                 keep = self._advance_base(job)
                 job.handle._future.set_result(record)
             except BaseException as e:  # noqa: BLE001
+                self._grad_reset = True
                 job.handle._future.set_exception(e)
             finally:
                 if job.slot is not None and self.delta is not None and not keep:
@@ -605,6 +623,13 @@ class CheckpointManager:
         Gradient records need their parent (the previous save) committed: otherwise the staged state is
         stored as a delta (or full) instead."""
         job.kind = "full"
+        if job.grad is not None and job.grad.only:  # only the gradients were staged
+            if self._head != job.grad.parent or self._since_full is None:
+                self._grad_reset = True
+                raise WriteError(f"step {job.step} was staged as the gradients of step {job.grad.parent}, which is "
+                                 "not committed (its save failed); the next save stores the state")
+            job.kind, job.changed = "gradients", set()
+            return
         if self.delta is None or self._base is None or self._base.plan_key != job.plan_key:
             return
         if self.delta.decide(self._since_full) == "delta":
@@ -628,6 +653,9 @@ class CheckpointManager:
         if old is not None and old.slot is not job.slot:
             self._release(old.slot)
         return True
+
+    def _base_fits(self, job: _Job) -> bool:
+        return self._base is not None and self._base.plan_key == job.plan_key
 
     def _delta_array(self, meta: ArrayMeta, changed: bool, parent: int) -> ArrayMeta:
         from dataclasses import replace
@@ -655,7 +683,7 @@ class CheckpointManager:
             for w, staged in writes:
                 block = _block(w, staged[w.source])
                 rel = w.array.shard_key(w.coords)
-                if job.kind in ("delta", "gradients") and staged is job.staged:
+                if job.kind in ("delta", "gradients") and staged is job.staged and self._base_fits(job):
                     from ucl.delta.codec import choose_encoding
                     from ucl.delta.shards import encode_delta_shard
 
@@ -719,7 +747,7 @@ class CheckpointManager:
                     for r in reports:
                         merged.update({k: tuple(v) for k, v in r["files"].items()})  # type: ignore[misc]
                     arrays, parent, extensions = job.plan.arrays, None, ()
-                    if job.kind in ("delta", "gradients"):
+                    if job.kind in ("delta", "gradients") and self._base_fits(job):
                         parent = base = self._base.step  # type: ignore[union-attr]
                         changed = {n for r in reports for n in r["changed"]}
                         arrays = {n: self._delta_array(a, n in changed, base) for n, a in arrays.items()}

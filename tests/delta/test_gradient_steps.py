@@ -231,3 +231,53 @@ def test_cli_info_describes_a_gradient_step(tmp_path: Any, capsys: pytest.Captur
     assert "model/1.weight" in g["replayed"] and "optim/state/0/exp_avg" in g["replayed"]
     assert {t["name"] for t in info["tensors"]} == {f"grad/model/{n}" for n in
                                                     ("0.weight", "1.weight", "1.bias", "3.weight", "3.bias")}
+
+
+def test_a_failed_save_never_leaves_a_gradient_step_without_its_parent(tmp_path: Any) -> None:
+    """Step 3's write fails (EIO) after step 4 was staged as its gradients only: step 4 must fail too (never
+    committed against a missing parent); step 5 stores the state again, step 6 is gradients again."""
+    import errno
+    import threading
+
+    from ucl import _native
+    from ucl.errors import WriteError
+
+    path = str(tmp_path / "r")
+    model, opt, sched = model_and_optimizer("adamw-foreach")
+    want, handles = {}, {}
+    with CheckpointManager(path, delta=DeltaPolicy(gradients=True)) as mgr:
+        decide, staged = mgr._decide_kind, threading.Event()
+
+        def after_step_4_is_staged(job: Any) -> None:
+            if job.step == 3:
+                staged.wait(30)
+            decide(job)
+
+        mgr._decide_kind = after_step_4_is_staged  # type: ignore[method-assign]
+        for t in range(1, 7):
+            train_step(model, opt, sched, t)
+            st = state_of(model, opt, t)
+            want[t] = copy.deepcopy(st)
+            if t == 3:
+                _native.inject_fault("pwrite", nth=1, errno=errno.EIO)
+            handles[t] = mgr.save(t, st, optimizer=opt)
+            if t == 4:
+                staged.set()
+                try:
+                    for s in (3, 4):
+                        with pytest.raises(WriteError):
+                            handles[s].result()
+                finally:
+                    _native.inject_fault(None)
+            elif t != 3:
+                handles[t].result()
+        with pytest.raises(WriteError, match="not committed|Input/output"):
+            mgr.wait()
+    with pytest.raises(WriteError, match="staged as the gradients of step 3"):
+        handles[4].result()
+    steps = ucl.Repository.open(path).steps()
+    assert steps == [1, 2, 5, 6], steps
+    assert ucl.open(path, 5).records is None and ucl.open(path, 6).records is not None
+    for t in steps:
+        assert_same(ucl.load(path, t), want[t], f"step {t}")
+    assert ucl.validate(path).ok
