@@ -106,7 +106,18 @@ class UclAdapter(Adapter):
     """The reference implementation, ucl, in this process."""
 
     name = "ucl"
-    expected_failures: dict[str, str] = {}
+    # ucl bug: a stored gradient that does not fit its parameter (spec/delta.md §8.3, which validation
+    # reports as broken_chain) fails a read of a replayed tensor with invalid_argument, the code of a
+    # caller's mistake: ucl/delta/gradients.py replay_step raises InvalidArgumentError on the checkpoint's
+    # data, and ucl/reader.py Checkpoint._replayed passes it on.
+    expected_failures: dict[str, str] = {
+        'invalid/metadata/gradient_shape_mismatch:read:{"step":2,"tensor":"model/2.weight"}': (
+            "a gradient whose shape differs from its parameter's fails the replay with invalid_argument"
+        ),
+        'invalid/metadata/gradient_dtype_mismatch:read:{"step":2,"tensor":"optim/state/1/exp_avg"}': (
+            "a gradient whose dtype differs from its parameter's fails the replay with invalid_argument"
+        ),
+    }
 
     def validate(self, path: str, step: int | None) -> tuple[bool, list[str]]:
         import ucl
@@ -138,6 +149,7 @@ class UclAdapter(Adapter):
         import torch
 
         import ucl
+        from ucl import dtypes
         from ucl.errors import InvalidArgumentError
 
         with ucl.open(path, step) as ckpt:
@@ -148,7 +160,8 @@ class UclAdapter(Adapter):
                 if not all(isinstance(b, list) and len(b) == 2 for b in box):
                     raise InvalidArgumentError(f"a box is [[start, stop], ...], got {box!r}")
                 t = lt.read_box(tuple(a for a, _ in box), tuple(b - a for a, b in box))
-            dtype = ckpt.meta.arrays[tensor].dtype
+            # the tensor's, not meta.arrays': a replayed tensor has no array (spec/delta.md §8.1)
+            dtype = dtypes.from_torch(lt.dtype)
         flat = t.contiguous().reshape(-1)
         if flat.dtype == torch.bool:
             flat = flat.view(torch.uint8)
