@@ -166,7 +166,8 @@ class CheckpointManager:
         With ``DeltaPolicy(gradients=True)`` and ``save(..., optimizer=opt)``, a save taken exactly one
         optimizer step after the previous one stores that step's gradients instead of the parameters and
         optimizer state (spec/delta.md §8; readers replay the step, exact when the optimizer fingerprint
-        matches); other saves fall back to state deltas. Single-process saves without a layout.
+        matches); other saves fall back to state deltas. Saves without a layout (one process, or
+        data-parallel ranks holding the same state: every rank must agree, else the state is stored).
     interval
         A :class:`ucl.policy.AdaptiveInterval` for :meth:`save_if_due`: checkpoint every Young/Daly
         interval, re-estimated from what saves measurably cost training (their blocking time).
@@ -213,9 +214,9 @@ class CheckpointManager:
             raise InvalidArgumentError("delta steps need the previous step staged whole: staging_bytes cannot be "
                                        "combined with delta")
         self.delta = delta
-        if delta is not None and delta.gradients and (layout is not None or _world_of(process_group) > 1):
-            raise InvalidArgumentError("gradient records (DeltaPolicy(gradients=True)) are written by single-process "
-                                       "saves without a layout")
+        if delta is not None and delta.gradients and layout is not None:
+            raise InvalidArgumentError("gradient records (DeltaPolicy(gradients=True)) are written by saves without a "
+                                       "layout (one process, or data-parallel ranks holding the same state)")
         self._tracker: Any = None  # ucl.delta.gradients.GradientTracker of the optimizer passed to save()
         self._last_saved: int | None = None  # the step of the previous (not skipped) save
         self._head: int | None = None  # the newest committed step of this manager (delta mode)
@@ -242,13 +243,17 @@ class CheckpointManager:
             raise InvalidArgumentError("mesh= needs a layout= to go with it")
         self._dist = _Dist.make(process_group, timeout)
         self.rank, self.world = self._dist.rank, self._dist.world
+        # a second group for the collectives of the caller's thread (save_if_due, layout plans, gradient
+        # records): the persister's commit collectives run concurrently on the first, and two threads must
+        # never issue collectives on one group (their order could differ between ranks)
+        self._ctl = _Dist.make(process_group, timeout) if self._dist.group is not None else self._dist
         if self.layout is not None:
             from ucl.layout import as_mesh
 
             try:
                 self.mesh = as_mesh(mesh, self.layout, self.world)
             except BaseException:
-                self._dist.close()
+                self._close_groups()
                 raise
         elif self._dtensor and mesh is not None:
             raise InvalidArgumentError("layout='dtensor' takes its mesh from the DTensors; pass no mesh=")
@@ -316,6 +321,11 @@ class CheckpointManager:
             full_next = self.delta.decide(self._c_since_full) == "full"
             only = grads is not None and not full_next
             self._c_since_full = 0 if full_next else (self._c_since_full or 0) + 1
+            if self._ctl.group is not None:  # data-parallel ranks: gradient records only if every rank agrees
+                votes = self._ctl.allgather((grads is not None, only))
+                if not all(v[0] for v in votes):
+                    grads = None
+                only = grads is not None and all(v[1] for v in votes)
         if self.world == 1:  # files of an earlier attempt that never committed (ranks > 1: `ucl gc`)
             self.repo.store.delete_prefix(step_prefix(step))
         handle = SaveHandle(step)
@@ -373,8 +383,9 @@ class CheckpointManager:
         grads = {gp + n: p.grad for n, p in zip(params, flat, strict=True) if p.grad is not None}
         key = tuple((n, tuple(t.shape), t.dtype) for n, t in grads.items())
         if key not in self._grad_plans:
-            self._grad_plans = {key: saveplan.single(grads, {"name": "zstd", "configuration": {"level": 1,
-                                                                                              "checksum": False}})}
+            zstd = {"name": "zstd", "configuration": {"level": 1, "checksum": False}}
+            self._grad_plans = {key: saveplan.single(grads, zstd) if self.world == 1 else
+                                saveplan.replicated(grads, self.rank, self.world, zstd)}
         rec = GradientRecords(base_step=self._last_saved, fingerprint=optimizer_fingerprint(optimizer), gradients=gp,
                               parameters=tuple(params), optimizer_state=prefix,
                               param_groups=tuple(dict(g) for g in self._tracker.param_groups))
@@ -391,8 +402,8 @@ class CheckpointManager:
         if self.interval is None:
             raise InvalidArgumentError("save_if_due needs CheckpointManager(interval=AdaptiveInterval(...))")
         due = self.interval.should_save(step, time.monotonic() if now is None else now) if self.rank == 0 else False
-        if self._dist.group is not None:
-            due = bool(self._dist.broadcast(due))
+        if self._ctl.group is not None:
+            due = bool(self._ctl.broadcast(due))
         if not due:
             return None
         handle = self.save(step, state)
@@ -420,8 +431,8 @@ class CheckpointManager:
         layout, mesh, mesh_rank = self._source()
         key = (key, self._dtensor_key)
         hit = key in self._plans
-        if self._dist.group is not None:  # every rank plans again if any rank's shapes changed
-            hit = all(self._dist.allgather(hit))
+        if self._ctl.group is not None:  # every rank plans again if any rank's shapes changed
+            hit = all(self._ctl.allgather(hit))
         if not hit:
             self._plans = {key: self._plan_layout(tensors, layout, mesh, mesh_rank)}
         return self._plans[key]
@@ -440,7 +451,7 @@ class CheckpointManager:
         from ucl.layout import merge_plans
 
         local = saveplan.local_shapes(tensors)
-        all_local = self._dist.allgather(local)
+        all_local = self._ctl.allgather(local)
         rank_plan = None
         payload: dict[str, Any]
         try:
@@ -448,7 +459,7 @@ class CheckpointManager:
             payload = {"plan": rank_plan.to_dict()}
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             payload = {"error": _error_dict(e, self.rank)}
-        payloads = self._dist.gather(payload)
+        payloads = self._ctl.gather(payload)
         verdict: dict[str, Any] = {"ok": True}
         merged = None
         if self.rank == 0:
@@ -460,7 +471,7 @@ class CheckpointManager:
                     merged = merge_plans([RankPlan.from_dict(p["plan"]) for p in payloads])
                 except Exception as e:  # noqa: BLE001
                     verdict = {"ok": False, "error": _error_dict(e, None)}
-        verdict = self._dist.broadcast(verdict)
+        verdict = self._ctl.broadcast(verdict)
         if not verdict["ok"]:
             raise _error_from(verdict["error"])
         assert rank_plan is not None
@@ -850,7 +861,12 @@ class CheckpointManager:
                 self._uploads.shutdown(wait=True)
             if self._lock is not None:
                 self._lock.release()
-            self._dist.close()
+            self._close_groups()
+
+    def _close_groups(self) -> None:
+        if getattr(self, "_ctl", None) is not None and self._ctl is not self._dist:
+            self._ctl.close()
+        self._dist.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -900,14 +916,6 @@ def _describe(e: BaseException) -> str:
     if isinstance(e, UCLError):
         return f"[{e.code}] {e.message}"
     return "".join(traceback.format_exception_only(type(e), e)).strip()
-
-
-def _world_of(process_group: Any) -> int:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(process_group) if process_group is not None else dist.get_world_size()
 
 
 def _needed_bases(repo: Repository, keep: set[int]) -> set[int]:

@@ -45,3 +45,36 @@ def save_with_failing_rank(rank: int, world: int, path: str, bad_rank: int) -> d
             pass
         latest = mgr.latest_step()
     return {"rank": rank, "outcome": outcome, "latest": latest}
+
+
+def save_gradient_records(rank: int, world: int, path: str, steps: int) -> dict[str, Any]:
+    """Data-parallel training (gradients all-reduced, every rank the same state), saved with gradient
+    records; returns what each step held (as digests) so the test can compare with what it reads."""
+    import hashlib
+
+    import torch.distributed as dist
+
+    from ucl import names
+    from ucl.policy import DeltaPolicy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    digests: dict[int, dict[str, str]] = {}
+    with CheckpointManager(path, delta=DeltaPolicy(full_every=4, gradients=True)) as mgr:
+        for step in range(1, steps + 1):
+            g = torch.Generator().manual_seed(1000 * step + rank)  # each rank its own batch
+            x, y = torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            for p in model.parameters():  # DDP's all-reduce, by hand
+                dist.all_reduce(p.grad)
+                p.grad /= world
+            opt.step()
+            st = {"model": model.state_dict(), "optim": opt.state_dict()}
+            flat, _ = names.flatten(st)
+            digests[step] = {n: hashlib.sha256(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                             for n, t in flat.items()}
+            mgr.save(step, st, optimizer=opt)
+        mgr.wait()
+    return {"rank": rank, "digests": digests}
