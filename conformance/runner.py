@@ -106,18 +106,7 @@ class UclAdapter(Adapter):
     """The reference implementation, ucl, in this process."""
 
     name = "ucl"
-    # ucl bug: a stored gradient that does not fit its parameter (spec/delta.md §8.3, which validation
-    # reports as broken_chain) fails a read of a replayed tensor with invalid_argument, the code of a
-    # caller's mistake: ucl/delta/gradients.py replay_step raises InvalidArgumentError on the checkpoint's
-    # data, and ucl/reader.py Checkpoint._replayed passes it on.
-    expected_failures: dict[str, str] = {
-        'invalid/metadata/gradient_shape_mismatch:read:{"step":2,"tensor":"model/2.weight"}': (
-            "a gradient whose shape differs from its parameter's fails the replay with invalid_argument"
-        ),
-        'invalid/metadata/gradient_dtype_mismatch:read:{"step":2,"tensor":"optim/state/1/exp_avg"}': (
-            "a gradient whose dtype differs from its parameter's fails the replay with invalid_argument"
-        ),
-    }
+    expected_failures: dict[str, str] = {}
 
     def validate(self, path: str, step: int | None) -> tuple[bool, list[str]]:
         import ucl

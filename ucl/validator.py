@@ -302,9 +302,10 @@ def _check_replay(repo: Repository, step: int, meta: StepMeta, report: Report) -
                     report.add(DeltaChainError(f"step {step}: gradient {g.name!r} is {list(g.shape)} {g.dtype}, parameter "
                                                f"{name!r} of step {parent} is {list(a.shape)} {a.dtype}",
                                                tensor=g.name), step)
+        via = "" if parent == rec.base_step else f" (whose replay reads step {parent})"
         for e in _parent_problems(repo, parent, prec, pmeta, report):
-            report.add(DeltaChainError(f"step {step} replays its optimizer step on step {parent}, which is invalid: "
-                                       f"[{e.code}] {e.message}", tensor=e.tensor, file=e.file), step)
+            report.add(DeltaChainError(f"step {step} replays its optimizer step on step {rec.base_step}{via}; step "
+                                       f"{parent} is invalid: [{e.code}] {e.message}", tensor=e.tensor, file=e.file), step)
         cur = pmeta
     else:
         report.add(DeltaChainError(f"step {step}: more than {DEFAULT_MAX_CHAIN} gradient-record steps in a row"), step)

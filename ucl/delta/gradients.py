@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ucl.delta.records import GradientRecords, OptimizerFingerprint
-from ucl.errors import InvalidArgumentError, UnknownExtensionError
+from ucl.errors import DeltaChainError, InvalidArgumentError, UnknownExtensionError
 
 __all__ = [
     "GradientTracker",
@@ -405,6 +405,11 @@ def replay_records(
             )
         warnings.warn(f"{what}: loaded approximately, the optimizer fingerprint differs in {', '.join(mismatches)}",
                       ReplayWarning, stacklevel=3)
+    for n, p in zip(rec.parameters, params, strict=True):
+        g = grads.get(n)
+        if g is not None and (tuple(g.shape) != tuple(p.shape) or g.dtype != p.dtype):
+            raise DeltaChainError(f"{what}: the gradient of {n!r} is {list(g.shape)} {g.dtype}, the parameter in step "
+                                  f"{rec.base_step} is {list(p.shape)} {p.dtype}", tensor=n)
     by_param = {n: grads[n].to(device) for n in rec.parameters if n in grads}
     with torch.no_grad():
         replay_step(opt, dict(zip(rec.parameters, params, strict=True)), by_param)
