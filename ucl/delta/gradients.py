@@ -76,8 +76,9 @@ def optimizer_fingerprint(optimizer: Any) -> OptimizerFingerprint:
     -------
     OptimizerFingerprint
         torch version, ``module.Class`` of the optimizer, its defaults as JSON values, the kernels
-        (``fused``, ``foreach`` or ``for-loop``), the first parameter's dtype, and the device (``cpu`` or
-        ``cuda:<device name>``).
+        (``fused``, ``foreach`` or ``for-loop``), the first parameter's dtype, and the device:
+        ``cuda:<device name>``, or ``cpu:<ATen CPU capability>`` such as ``cpu:AVX2`` (the vectorised
+        kernels, and so the rounding, differ between capabilities).
     """
     import torch
 
@@ -88,6 +89,8 @@ def optimizer_fingerprint(optimizer: Any) -> OptimizerFingerprint:
     device = p0.device.type
     if device == "cuda":
         device = f"cuda:{torch.cuda.get_device_name(p0.device)}"
+    elif device == "cpu":  # the kernels ATen dispatches to (vector width, FMA) depend on it, not the model
+        device = f"cpu:{torch.backends.cpu.get_cpu_capability()}"
     cls = type(optimizer)
     options = {k: _json_value(v) for k, v in sorted(optimizer.defaults.items())}
     json.dumps(options)  # JSON by construction
