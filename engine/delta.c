@@ -76,13 +76,14 @@ unsigned ucl_delta_zstd_version(void) { return ZSTD_versionNumber(); }
             }                                                                                          \
         }                                                                                              \
     }                                                                                                  \
-    static void inv_##W(const uint8_t *in, const uint8_t *b, uint8_t *out, size_t n, int enc) {        \
+    static void inv_##W(const uint8_t *in, size_t stride, const uint8_t *b, uint8_t *out, size_t n,    \
+                        int enc) {                                                                     \
         T t[BLK], u[BLK];                                                                              \
         for (size_t i0 = 0; i0 < n; i0 += BLK) {                                                       \
             size_t m = n - i0 < BLK ? n - i0 : BLK;                                                    \
             for (size_t i = 0; i < m; i++) t[i] = in[i0 + i];                                          \
             for (int k = 1; k < W; k++) {                                                              \
-                const uint8_t *p = in + (size_t)k * n + i0;                                            \
+                const uint8_t *p = in + (size_t)k * stride + i0;                                       \
                 for (size_t i = 0; i < m; i++) t[i] |= (T)((T)p[i] << (8 * k));                        \
             }                                                                                          \
             if (enc == 1) {                                                                            \
@@ -150,9 +151,9 @@ static void fwd_sse_2(const uint8_t *a, const uint8_t *b, uint8_t *out, size_t n
     }
 }
 
-static void inv_sse_2(const uint8_t *in, const uint8_t *b, uint8_t *out, size_t n, int enc) {
+static void inv_sse_2(const uint8_t *in, size_t stride, const uint8_t *b, uint8_t *out, size_t n, int enc) {
     size_t v = n & ~(size_t)15;
-    const uint8_t *p0 = in, *p1 = in + n;
+    const uint8_t *p0 = in, *p1 = in + stride;
     for (size_t i = 0; i < v; i += 16) {
         __m128i lo = ld(p0 + i), hi = ld(p1 + i);
         __m128i x = _mm_unpacklo_epi8(lo, hi), y = _mm_unpackhi_epi8(lo, hi);
@@ -169,7 +170,7 @@ static void inv_sse_2(const uint8_t *in, const uint8_t *b, uint8_t *out, size_t 
         memcpy(ti, p0 + v, m);
         memcpy(ti + m, p1 + v, m);
         if (enc) memcpy(tb, b + 2 * v, 2 * m);
-        inv_2(ti, tb, to, m, enc);
+        inv_2(ti, m, tb, to, m, enc);
         memcpy(out + 2 * v, to, 2 * m);
     }
 }
@@ -206,9 +207,9 @@ static void fwd_sse_4(const uint8_t *a, const uint8_t *b, uint8_t *out, size_t n
     }
 }
 
-static void inv_sse_4(const uint8_t *in, const uint8_t *b, uint8_t *out, size_t n, int enc) {
+static void inv_sse_4(const uint8_t *in, size_t stride, const uint8_t *b, uint8_t *out, size_t n, int enc) {
     size_t v = n & ~(size_t)15;
-    const uint8_t *p0 = in, *p1 = in + n, *p2 = in + 2 * n, *p3 = in + 3 * n;
+    const uint8_t *p0 = in, *p1 = in + stride, *p2 = in + 2 * stride, *p3 = in + 3 * stride;
     for (size_t i = 0; i < v; i += 16) {
         __m128i q0 = ld(p0 + i), q1 = ld(p1 + i), q2 = ld(p2 + i), q3 = ld(p3 + i);
         __m128i a0 = _mm_unpacklo_epi8(q0, q1), a1 = _mm_unpackhi_epi8(q0, q1); /* bytes 0,1 */
@@ -223,9 +224,9 @@ static void inv_sse_4(const uint8_t *in, const uint8_t *b, uint8_t *out, size_t 
     if (v < n) {
         uint8_t ti[64], tb[64] = {0}, to[64];
         size_t m = n - v;
-        for (int k = 0; k < 4; k++) memcpy(ti + (size_t)k * m, in + (size_t)k * n + v, m);
+        for (int k = 0; k < 4; k++) memcpy(ti + (size_t)k * m, in + (size_t)k * stride + v, m);
         if (enc) memcpy(tb, b + 4 * v, 4 * m);
-        inv_4(ti, tb, to, m, enc);
+        inv_4(ti, m, tb, to, m, enc);
         memcpy(out + 4 * v, to, 4 * m);
     }
 }
@@ -250,15 +251,21 @@ static void fwd(const void *a, const void *b, void *out, size_t nbytes, int word
     }
 }
 
-/* base may alias out: every kernel reads a block of base before it writes that block of out. */
+/* Words [0, n) from byte planes `stride` bytes apart (plane k of word i at in[k * stride + i]).
+   base may alias out: every kernel reads a block of base before it writes that block of out. */
+static void inv_words(const uint8_t *in, size_t stride, const uint8_t *b, uint8_t *out, size_t n, int word,
+                      int enc) {
+    switch (word) {
+    case 1: inv_1(in, stride, b, out, n, enc); break;
+    case 2: INV2(in, stride, b, out, n, enc); break;
+    case 4: INV4(in, stride, b, out, n, enc); break;
+    default: inv_8(in, stride, b, out, n, enc); break;
+    }
+}
+
 static void inv(const void *in, const void *b, void *out, size_t nbytes, int word, int enc) {
     size_t n = nbytes / (size_t)word;
-    switch (word) {
-    case 1: inv_1(in, b, out, n, enc); break;
-    case 2: INV2(in, b, out, n, enc); break;
-    case 4: INV4(in, b, out, n, enc); break;
-    default: inv_8(in, b, out, n, enc); break;
-    }
+    inv_words(in, n, b, out, n, word, enc);
 }
 
 void ucl_delta_shuffle(const void *src, void *dst, size_t nbytes, int word) { fwd(src, NULL, dst, nbytes, word, 0); }
@@ -539,6 +546,79 @@ done:
     return result;
 }
 
+/* The frames of a payload (after its mode byte) decoded into sh[0:nbytes], each checked before anything
+   is decoded: 0 or a negative UCL_DELTA_E_*. */
+static int unpack_frames(ZSTD_DCtx *dctx, const uint8_t *p, size_t len, uint8_t *sh, size_t nbytes) {
+    size_t pos = 1, got = 0;
+    int frames = 0;
+    while (pos < len) {
+        size_t rem = len - pos;
+        uint32_t magic;
+        if (rem < 4) return UCL_DELTA_E_FRAME;
+        memcpy(&magic, p + pos, 4);
+        if (magic != ZSTD_MAGIC) return UCL_DELTA_E_FRAME;
+        unsigned long long fcs = ZSTD_getFrameContentSize(p + pos, rem);
+        if (fcs == ZSTD_CONTENTSIZE_ERROR || fcs == ZSTD_CONTENTSIZE_UNKNOWN) return UCL_DELTA_E_FRAME;
+        if (ZSTD_getDictID_fromFrame(p + pos, rem) != 0) return UCL_DELTA_E_FRAME;
+        if (fcs > nbytes - got) return UCL_DELTA_E_SIZE;
+        size_t fsz = ZSTD_findFrameCompressedSize(p + pos, rem);
+        if (ZSTD_isError(fsz)) return UCL_DELTA_E_ZSTD;
+        size_t r = ZSTD_decompressDCtx(dctx, sh + got, (size_t)fcs, p + pos, fsz);
+        if (ZSTD_isError(r) || r != fcs) return UCL_DELTA_E_ZSTD;
+        got += (size_t)fcs;
+        pos += fsz;
+        frames++;
+    }
+    if (frames == 0) return UCL_DELTA_E_FRAME;
+    if (got != nbytes) return UCL_DELTA_E_SIZE;
+    return 0;
+}
+
+/* unpack_frames split over `nparts` calls: every call checks every frame header in order as unpack_frames
+   does and returns what unpack_frames would, but decompresses only the frames whose index is `part`
+   modulo `nparts` (into their place in sh); *failed is set when one of them does not decompress. The
+   parts together: UCL_DELTA_E_ZSTD when any failed (such a frame comes before any bad header, as frames
+   after one are not decompressed), else the (common) return value. */
+static int unpack_frames_part(ZSTD_DCtx *dctx, const uint8_t *p, size_t len, uint8_t *sh, size_t nbytes, int part,
+                              int nparts, int *failed) {
+    size_t pos = 1, got = 0;
+    int frames = 0;
+    *failed = 0;
+    while (pos < len) {
+        size_t rem = len - pos;
+        uint32_t magic;
+        if (rem < 4) return UCL_DELTA_E_FRAME;
+        memcpy(&magic, p + pos, 4);
+        if (magic != ZSTD_MAGIC) return UCL_DELTA_E_FRAME;
+        unsigned long long fcs = ZSTD_getFrameContentSize(p + pos, rem);
+        if (fcs == ZSTD_CONTENTSIZE_ERROR || fcs == ZSTD_CONTENTSIZE_UNKNOWN) return UCL_DELTA_E_FRAME;
+        if (ZSTD_getDictID_fromFrame(p + pos, rem) != 0) return UCL_DELTA_E_FRAME;
+        if (fcs > nbytes - got) return UCL_DELTA_E_SIZE;
+        size_t fsz = ZSTD_findFrameCompressedSize(p + pos, rem);
+        if (ZSTD_isError(fsz)) return UCL_DELTA_E_ZSTD;
+        if (frames % nparts == part && !*failed) {
+            size_t r = ZSTD_decompressDCtx(dctx, sh + got, (size_t)fcs, p + pos, fsz);
+            if (ZSTD_isError(r) || r != fcs) *failed = 1;
+        }
+        got += (size_t)fcs;
+        pos += fsz;
+        frames++;
+    }
+    if (frames == 0) return UCL_DELTA_E_FRAME;
+    if (got != nbytes) return UCL_DELTA_E_SIZE;
+    return 0;
+}
+
+/* The thread's cached decompression context (or a fresh one, *owned = 1: the caller frees it). */
+static ZSTD_DCtx *thread_dctx(struct tcache *tc, int *owned) {
+    *owned = 0;
+    if (tc && tc->d) return tc->d;
+    ZSTD_DCtx *d = ZSTD_createDCtx();
+    if (tc) tc->d = d;
+    else *owned = d != NULL;
+    return d;
+}
+
 int ucl_delta_decode(const void *payload, size_t len, const void *base, void *out, size_t nbytes, int word,
                      int *mode_out, void *scratch) {
     const uint8_t *p = payload;
@@ -549,56 +629,57 @@ int ucl_delta_decode(const void *payload, size_t len, const void *base, void *ou
     if (mode > UCL_DELTA_MODE_SUB) return UCL_DELTA_E_MODE;
     if (mode != UCL_DELTA_MODE_FULL && !base) return UCL_DELTA_E_NOBASE;
     struct tcache *tc = tcache();
-    int own_sh = 0;
+    int own_sh = 0, own_d = 0;
     uint8_t *sh = scratch ? scratch : tbuf(tc, 0, nbytes, &own_sh);
-    ZSTD_DCtx *dctx = tc ? tc->d : NULL;
-    if (!dctx) {
-        dctx = ZSTD_createDCtx();
-        if (tc) tc->d = dctx;
-    }
+    ZSTD_DCtx *dctx = thread_dctx(tc, &own_d);
     int rc = UCL_DELTA_E_NOMEM;
-    if (!sh || !dctx) goto done;
-    size_t pos = 1, got = 0;
-    int frames = 0;
-    rc = UCL_DELTA_E_FRAME;
-    while (pos < len) {
-        size_t rem = len - pos;
-        uint32_t magic;
-        if (rem < 4) goto done;
-        memcpy(&magic, p + pos, 4);
-        if (magic != ZSTD_MAGIC) goto done;
-        unsigned long long fcs = ZSTD_getFrameContentSize(p + pos, rem);
-        if (fcs == ZSTD_CONTENTSIZE_ERROR || fcs == ZSTD_CONTENTSIZE_UNKNOWN) goto done;
-        if (ZSTD_getDictID_fromFrame(p + pos, rem) != 0) goto done;
-        if (fcs > nbytes - got) {
-            rc = UCL_DELTA_E_SIZE;
-            goto done;
-        }
-        size_t fsz = ZSTD_findFrameCompressedSize(p + pos, rem);
-        if (ZSTD_isError(fsz)) {
-            rc = UCL_DELTA_E_ZSTD;
-            goto done;
-        }
-        size_t r = ZSTD_decompressDCtx(dctx, sh + got, (size_t)fcs, p + pos, fsz);
-        if (ZSTD_isError(r) || r != fcs) {
-            rc = UCL_DELTA_E_ZSTD;
-            goto done;
-        }
-        got += (size_t)fcs;
-        pos += fsz;
-        frames++;
+    if (sh && dctx) {
+        rc = unpack_frames(dctx, p, len, sh, nbytes);
+        if (rc == 0) inv(sh, base, out, nbytes, word, mode);
     }
-    if (frames == 0) goto done;
-    if (got != nbytes) {
-        rc = UCL_DELTA_E_SIZE;
-        goto done;
-    }
-    inv(sh, base, out, nbytes, word, mode);
-    rc = 0;
-done:
     if (own_sh) free(sh);
-    if (!tc && dctx) ZSTD_freeDCtx(dctx);
+    if (own_d) ZSTD_freeDCtx(dctx);
     return rc;
+}
+
+int ucl_delta_unpack(const void *payload, size_t len, void *planes, size_t nbytes, int word, int part, int nparts,
+                     int *mode_out, int *failed) {
+    const uint8_t *p = payload;
+    *failed = 0;
+    if (!word_ok(word) || nbytes % (size_t)word || !planes || nparts < 1 || part < 0 || part >= nparts)
+        return UCL_DELTA_E_ARG;
+    if (len < 1) return UCL_DELTA_E_EMPTY;
+    int mode = p[0];
+    if (mode_out) *mode_out = mode;
+    if (mode > UCL_DELTA_MODE_SUB) return UCL_DELTA_E_MODE;
+    int own_d = 0;
+    ZSTD_DCtx *dctx = thread_dctx(tcache(), &own_d);
+    if (!dctx) return UCL_DELTA_E_NOMEM;
+    int rc = unpack_frames_part(dctx, p, len, planes, nbytes, part, nparts, failed);
+    if (own_d) ZSTD_freeDCtx(dctx);
+    return rc;
+}
+
+#define APPLY_BLOCK 8192 /* words per pass of every payload: the block of out stays in L1/L2 between them */
+int ucl_delta_apply(const void *const *planes, const int *modes, int k, const void *base, void *out, size_t nbytes,
+                    int word, size_t start, size_t count) {
+    if (!word_ok(word) || nbytes % (size_t)word || k < 1) return UCL_DELTA_E_ARG;
+    size_t n = nbytes / (size_t)word;
+    if (start > n || count > n - start) return UCL_DELTA_E_ARG;
+    for (int j = 0; j < k; j++)
+        if (modes[j] < UCL_DELTA_MODE_FULL || modes[j] > UCL_DELTA_MODE_SUB || !planes[j]) return UCL_DELTA_E_ARG;
+    if (modes[0] != UCL_DELTA_MODE_FULL && !base) return UCL_DELTA_E_NOBASE;
+    const uint8_t *b = base;
+    uint8_t *o = out;
+    for (size_t i0 = start; i0 < start + count; i0 += APPLY_BLOCK) {
+        size_t m = start + count - i0 < APPLY_BLOCK ? start + count - i0 : APPLY_BLOCK;
+        size_t at = i0 * (size_t)word;
+        for (int j = 0; j < k; j++) {
+            const uint8_t *src = (const uint8_t *)planes[j] + i0;
+            inv_words(src, n, j == 0 ? (b ? b + at : NULL) : o + at, o + at, m, word, modes[j]);
+        }
+    }
+    return 0;
 }
 
 /* ---- Python binding: ucl._delta ------------------------------------------------------------------- */
@@ -680,6 +761,86 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     return Py_BuildValue("(ii)", rc, mode);
 }
 
+/* unpack(payload, planes, word, part=0, nparts=1) -> (rc, mode, failed): planes is a writable buffer of the
+   chunk's size; the payload's error is UCL_DELTA_E_ZSTD when any part failed, else rc */
+static PyObject *py_unpack(PyObject *self, PyObject *args) {
+    Py_buffer pv, sv;
+    int word, part = 0, nparts = 1, mode = -1, failed = 0;
+    if (!PyArg_ParseTuple(args, "y*w*i|ii", &pv, &sv, &word, &part, &nparts)) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ucl_delta_unpack(pv.buf, (size_t)pv.len, sv.buf, (size_t)sv.len, word, part, nparts, &mode, &failed);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&pv);
+    PyBuffer_Release(&sv);
+    return Py_BuildValue("(iii)", rc, mode, failed);
+}
+
+/* apply(planes: sequence of buffers, modes: sequence of int, base|None, out, word, start, count) -> rc */
+static PyObject *py_apply(PyObject *self, PyObject *args) {
+    PyObject *planes_obj, *modes_obj, *base_obj;
+    Py_buffer ov, bv = {0};
+    int word;
+    Py_ssize_t start, count;
+    if (!PyArg_ParseTuple(args, "OOOw*inn", &planes_obj, &modes_obj, &base_obj, &ov, &word, &start, &count))
+        return NULL;
+    PyObject *planes = NULL, *modes = NULL, *res = NULL;
+    Py_buffer *views = NULL;
+    const void **ptrs = NULL;
+    int *mv = NULL;
+    Py_ssize_t k = 0, held = 0;
+    planes = PySequence_Fast(planes_obj, "planes must be a sequence");
+    modes = planes ? PySequence_Fast(modes_obj, "modes must be a sequence") : NULL;
+    if (!modes) goto out;
+    k = PySequence_Fast_GET_SIZE(planes);
+    if (k < 1 || k > 1 << 20 || PySequence_Fast_GET_SIZE(modes) != k || start < 0 || count < 0) {
+        res = PyLong_FromLong(UCL_DELTA_E_ARG);
+        goto out;
+    }
+    views = PyMem_Calloc((size_t)k, sizeof *views);
+    ptrs = PyMem_Calloc((size_t)k, sizeof *ptrs);
+    mv = PyMem_Calloc((size_t)k, sizeof *mv);
+    if (!views || !ptrs || !mv) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (Py_ssize_t j = 0; j < k; j++) {
+        long m = PyLong_AsLong(PySequence_Fast_GET_ITEM(modes, j));
+        if (m == -1 && PyErr_Occurred()) goto out;
+        mv[j] = m < 0 || m > 2 ? -1 : (int)m;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(planes, j), &views[j], PyBUF_SIMPLE) < 0) goto out;
+        held++;
+        ptrs[j] = views[j].buf;
+        if (views[j].len != ov.len) {
+            res = PyLong_FromLong(UCL_DELTA_E_ARG);
+            goto out;
+        }
+    }
+    if (base_obj != Py_None) {
+        if (PyObject_GetBuffer(base_obj, &bv, PyBUF_SIMPLE) < 0) goto out;
+        if (bv.len != ov.len) {
+            res = PyLong_FromLong(UCL_DELTA_E_ARG);
+            goto out;
+        }
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ucl_delta_apply(ptrs, mv, (int)k, bv.obj ? bv.buf : NULL, ov.buf, (size_t)ov.len, word, (size_t)start,
+                         (size_t)count);
+    Py_END_ALLOW_THREADS
+    res = PyLong_FromLong(rc);
+out:
+    for (Py_ssize_t j = 0; j < held; j++) PyBuffer_Release(&views[j]);
+    if (bv.obj) PyBuffer_Release(&bv);
+    PyBuffer_Release(&ov);
+    PyMem_Free(views);
+    PyMem_Free(ptrs);
+    PyMem_Free(mv);
+    Py_XDECREF(planes);
+    Py_XDECREF(modes);
+    return res;
+}
+
 /* shuffle(src, dst, word) / unshuffle(src, dst, word) */
 static PyObject *shuffle_impl(PyObject *args, int inverse) {
     Py_buffer sv, dv;
@@ -716,6 +877,8 @@ static PyObject *py_zstd_version(PyObject *self, PyObject *noargs) { return PyLo
 static PyMethodDef methods[] = {
     {"encode", py_encode, METH_VARARGS, NULL},
     {"decode", py_decode, METH_VARARGS, NULL},
+    {"unpack", py_unpack, METH_VARARGS, NULL},
+    {"apply", py_apply, METH_VARARGS, NULL},
     {"shuffle", py_shuffle, METH_VARARGS, NULL},
     {"unshuffle", py_unshuffle, METH_VARARGS, NULL},
     {"bound", py_bound, METH_VARARGS, NULL},

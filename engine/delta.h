@@ -43,6 +43,22 @@ int64_t ucl_delta_encode(const void *new_, const void *base, size_t nbytes, int 
 int ucl_delta_decode(const void *payload, size_t len, const void *base, void *out, size_t nbytes, int word,
                      int *mode, void *scratch);
 
+/* The two halves of ucl_delta_decode, for readers that rebuild a chunk through a chain of payloads:
+   ucl_delta_unpack checks a payload exactly as ucl_delta_decode does (same errors, except that it needs no
+   base) and decodes its frames into planes[0:nbytes] (the byte-plane shuffle S of spec/delta.md §5.2),
+   or, to share the work of one payload among `nparts` threads, only the frames whose index is `part`
+   modulo `nparts`: each call returns the error of the headers and sizes and sets *failed when one of its
+   frames does not decode; the payload's error is then UCL_DELTA_E_ZSTD when any call failed, else that
+   (common) return value;
+   ucl_delta_apply then rebuilds words [start, start + count) of out from k unpacked payloads, oldest
+   first: out = base op_0 D_0 op_1 D_1 ... (op_j: the mode of payload j; a mode-0 payload replaces what
+   precedes it; base is needed unless modes[0] is 0 and may alias out). Both are safe to run on several
+   threads at once, apply on disjoint word ranges of the same out. Returns 0 or a negative UCL_DELTA_E_*. */
+int ucl_delta_unpack(const void *payload, size_t len, void *planes, size_t nbytes, int word, int part, int nparts,
+                     int *mode, int *failed);
+int ucl_delta_apply(const void *const *planes, const int *modes, int k, const void *base, void *out, size_t nbytes,
+                    int word, size_t start, size_t count);
+
 /* Byte-plane shuffle primitives (exposed for tests and the reference cross-check). */
 void ucl_delta_shuffle(const void *src, void *dst, size_t nbytes, int word);
 void ucl_delta_unshuffle(const void *src, void *dst, size_t nbytes, int word);
