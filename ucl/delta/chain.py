@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -209,6 +211,10 @@ def resolve_array_chain(
 
 
 ReadInner = Callable[[int, str, tuple[int, ...]], "bytes | memoryview | None"]
+Run = Callable[[list[Callable[[], Any]]], list[Any]]  # calls each function (maybe at once), results in order
+
+#: A chunk rebuilt with ``run`` is split into word ranges of at least this many words, one task each.
+APPLY_MIN_WORDS = 1 << 16
 
 
 def reconstruct_inner(
@@ -218,6 +224,9 @@ def reconstruct_inner(
     out: np.ndarray,
     *,
     backend: Backend = "native",
+    run: Run | None = None,
+    scratch: Callable[[int], np.ndarray] | None = None,
+    parts: int = 1,
 ) -> int:
     """Rebuild one inner chunk of the newest link into ``out``, bit for bit.
 
@@ -234,6 +243,11 @@ def reconstruct_inner(
         links, nor for links older than the newest full payload.
     out : numpy.ndarray
         C-contiguous unsigned-integer words (``bit_view``) receiving the values.
+    run, scratch, parts : optional
+        With ``run`` (native backend only), the payloads are decoded as independent tasks given to
+        ``run`` (each into a buffer of ``out.nbytes`` from ``scratch(nbytes)``, a uint8 array the caller
+        reclaims after the call), then applied to ``out`` in one pass, oldest first, split into up to
+        ``parts`` word ranges (tasks too). Same result, same errors.
 
     Returns
     -------
@@ -246,6 +260,29 @@ def reconstruct_inner(
         A payload or stored chunk that is corrupt, malformed or of the wrong size, in any link: the
         message names the link's step and the tensor, and the step being rebuilt.
     """
+    base, pending = _walk(links, coords, read_inner, out)
+    if not pending:
+        if base is not None:
+            out.view(np.uint8)[...] = np.frombuffer(base, np.uint8)
+        return 0
+    if run is None or backend != "native":
+        if base is not None:
+            out.view(np.uint8)[...] = np.frombuffer(base, np.uint8)
+        for link, payload in reversed(pending):
+            try:
+                decode_chunk(payload, out, out, backend=backend)
+            except (FormatError, DeltaChainError) as e:
+                raise _decode_error(link, coords, links[-1], e) from e
+        return len(pending)
+    _apply_parallel(links, coords, base, pending[::-1], out, run, scratch, parts)
+    return len(pending)
+
+
+def _walk(
+    links: Sequence[ArrayInfo], coords: tuple[int, ...], read_inner: ReadInner, out: np.ndarray
+) -> tuple[bytes | memoryview | None, list[tuple[ArrayInfo, bytes | memoryview]]]:
+    """From the newest link back: the payloads to decode (newest first) and, when the walk reaches the
+    link stored full, its values (checked for size). Reads nothing more than that."""
     if not links or links[0].delta is not None:
         raise DeltaChainError(
             "reconstruct_inner: the links must start with the step that stores the tensor full"
@@ -265,8 +302,7 @@ def reconstruct_inner(
                     f"found {found}",
                     tensor=name,
                 )
-            out.view(np.uint8)[...] = np.frombuffer(data, np.uint8)
-            break
+            return data, pending
         if data is None:
             continue
         mode = data[0] if len(data) else -1
@@ -280,12 +316,53 @@ def reconstruct_inner(
         pending.append((link, data))
         if mode == MODE_FULL:  # full values: older links are not needed
             break
-    for link, payload in reversed(pending):
-        try:
-            decode_chunk(payload, out, out, backend=backend)
-        except (FormatError, DeltaChainError) as e:
-            raise DeltaChainError(f"{_where(link, coords, top)}: [{e.code}] {e.message}", tensor=name) from e
-    return len(pending)
+    return None, pending
+
+
+def _decode_error(link: ArrayInfo, coords: tuple[int, ...], top: ArrayInfo, e: UCLError) -> DeltaChainError:
+    return DeltaChainError(f"{_where(link, coords, top)}: [{e.code}] {e.message}", tensor=top.name)
+
+
+def _apply_parallel(
+    links: Sequence[ArrayInfo],
+    coords: tuple[int, ...],
+    base: bytes | memoryview | None,
+    pending: list[tuple[ArrayInfo, bytes | memoryview]],
+    out: np.ndarray,
+    run: Run,
+    scratch: Callable[[int], np.ndarray] | None,
+    parts: int,
+) -> None:
+    """Decode the payloads (oldest first) each on its own, then apply them all in one pass over ``out``:
+    what decoding them one after the other into ``out`` gives, and the error it raises first."""
+    from ucl.delta.codec import _native, _raise_c
+
+    nat = _native()
+    word = out.dtype.itemsize
+    nbytes = out.nbytes
+    planes = [np.empty(nbytes, np.uint8) if scratch is None else scratch(nbytes) for _ in pending]
+    split = max(1, -(-parts // len(pending)))  # fewer payloads than parts: each one's frames shared out
+    got = run([partial(nat.unpack, p, b, word, i, split)
+               for (_, p), b in zip(pending, planes, strict=True) for i in range(split)])
+    modes = []
+    for j, (link, _) in enumerate(pending):
+        mine = got[j * split : (j + 1) * split]
+        rc, mode = (-7 if any(r[2] for r in mine) else mine[0][0]), mine[0][1]
+        if rc != 0:  # the first payload (oldest first) that fails, as a sequential decode meets it
+            try:
+                _raise_c(rc, f"delta payload (mode byte {mode})" if rc == -4 else "delta payload")
+            except (FormatError, DeltaChainError) as e:
+                raise _decode_error(link, coords, links[-1], e) from e
+        modes.append(mode)
+    src: Any = out if base is None else base  # unused when the oldest payload holds full values
+    n = out.size
+    k = max(1, min(parts, n // APPLY_MIN_WORDS))
+    cuts = [n * i // k for i in range(k + 1)]
+    rcs = run([partial(nat.apply, planes, modes, src, out, word, a, b - a)
+               for a, b in zip(cuts, cuts[1:], strict=False)])
+    for rc in rcs:
+        if rc != 0:
+            _raise_c(rc, "delta payload")
 
 
 def _where(link: ArrayInfo, coords: tuple[int, ...], top: ArrayInfo) -> str:
