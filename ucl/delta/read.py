@@ -1,18 +1,46 @@
 """Reading tensors of delta steps (spec/delta.md §6.3): per inner chunk, walk the tensor's links back to
 the newest one that defines the chunk, read only those inner chunks (crc32c verified), decode forward.
+
+:meth:`ChainReader.read_many` reads any number of boxes at once, as a pipeline on two small thread
+pools (their tasks never wait for each other; the calling thread schedules them):
+
+1. plan: each request's inner chunks, shard by shard, in groups of at most GROUP_BYTES. A chunk that
+   lies whole in its box and whose part of the destination is one contiguous run is rebuilt straight
+   into the destination; others go through a scratch buffer and are placed after.
+2. fetch, on IO_THREADS threads, per group and link: the chunks the group needs from the link's shard,
+   in as few reads as possible (a shard needed whole, small enough and whose index is not cached yet:
+   one read of the whole file; else the index, cached per step, then each run of adjacent chunks in one
+   read), into reused buffers (fresh pages are slow to fault in). Each chunk's crc32c is verified there.
+   What reading a chunk gives (its payload, absent, or the error reading it raised) is kept, not raised.
+3. rebuild, on DECODE_THREADS threads, each chunk once every link it may need is fetched:
+   :func:`reconstruct_inner` walks the links newest first over those outcomes exactly as it would over
+   the reads themselves (same stops, same errors, same messages) and decodes oldest first, in place,
+   into the destination. The C decoder releases the GIL.
+
+At most INFLIGHT_BYTES of fetched data wait for their decode: groups start in order as earlier ones
+finish, so reading overlaps decoding. Links are fetched concurrently, not newest first: a chunk whose
+newer link holds full values (mode 0) has its older links read for nothing (spec §6.3.2 allows a reader
+to stop there; it does not require it); their bytes count in ``bytes_read``, their errors are never
+raised (the walk does not reach them). A failing read raises the error a sequential read (request by
+request, shard by shard, chunk by chunk in C order) meets first; work after it is not started.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
+import math
+import os
+import queue
 import struct
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-import torch
 
-from ucl import dtypes
+from ucl import boxread
 from ucl.boxread import Request, StepFiles, _shards_of
 from ucl.delta.chain import (
     DEFAULT_MAX_CHAIN,
@@ -24,13 +52,24 @@ from ucl.delta.chain import (
 )
 from ucl.delta.codec import word_dtype
 from ucl.delta.records import DeltaRecord
-from ucl.errors import ChecksumError, CorruptShardIndexError, MissingShardError, ShardSizeError, UCLError
+from ucl.errors import ChecksumError, CorruptShardIndexError, MissingShardError, ShardSizeError
 from ucl.metadata import ArrayMeta, StepMeta
-from ucl.shard import EMPTY, decode_chunk
+from ucl.shard import EMPTY, as_bytes, decode_chunk, index_nbytes, parse_index
 
 _CRC = struct.Struct("<I")
+_ALIGN = 4096
 
-StepSource = Callable[[int], tuple[StepMeta, StepFiles]]  # step -> its metadata and files (cached by the caller)
+IO_THREADS = 4  # reads in flight (page-cache copies and device requests)
+DECODE_THREADS = min(8, os.cpu_count() or 1)  # chunk rebuilds (C decoder, GIL released)
+GROUP_BYTES = 32 << 20  # inner chunk bytes of one group: the unit of fetching and of the in-flight budget
+INFLIGHT_BYTES = 64 << 20  # fetched bytes waiting for their decode (one group at least, whatever its size)
+WHOLE_MAX = 16 << 20  # a shard needed whole and at most this big is read in one request, index included
+SEGMENT_MAX = 16 << 20  # the most one read of adjacent chunks covers
+KEEP_BYTES = 64 << 20  # read buffers kept between calls, for reuse (warm pages)
+INLINE_BYTES = 256 << 10  # a group reading at most this much is read and rebuilt on the calling thread
+PARALLEL_MIN_BYTES = 256 << 10  # a smaller inner chunk is decoded payload after payload, on one thread
+
+StepSource = Callable[[int], tuple[StepMeta, StepFiles]]  # step -> its metadata and files (the caller caches)
 
 
 class ChainReader:
@@ -47,6 +86,10 @@ class ChainReader:
         self.steps = resolve_chain(step, info, max_chain)
         self.max_chain = max_chain
         self._links: dict[str, list[ArrayInfo]] = {}
+        self._lock = threading.Lock()
+        self._pools: tuple[int, ThreadPoolExecutor, ThreadPoolExecutor] | None = None
+        self._buffers = _Buffers()
+        self._scratch = threading.local()
 
     def links(self, name: str) -> list[ArrayInfo]:
         if name not in self._links:
@@ -59,6 +102,37 @@ class ChainReader:
 
             self._links[name] = resolve_array_chain(self.step, name, get_array, self.steps, self.max_chain)
         return self._links[name]
+
+    # -- reading -----------------------------------------------------------------------------------
+    def read(self, req: Request) -> None:
+        """Fill ``req.out`` with the box of the delta-step tensor ``req.meta``, bit-exactly."""
+        self.read_many([req])
+
+    def read_many(self, requests: Sequence[Request]) -> None:
+        """Fill every request's ``out`` (boxes of delta-step tensors), bit-exactly, as one pipeline.
+
+        Raises the error that reading the requests one after the other, each chunk by chunk, would raise
+        first (:meth:`read_sequential`); the destinations then hold unspecified values.
+        """
+        groups, errors = self._plan(requests)
+        if not groups and not errors:
+            return
+        _Run(self, groups, errors).run()
+
+    def read_sequential(self, req: Request) -> None:
+        """The plain algorithm, one inner chunk after the other with one read per chunk and link: the
+        reference :meth:`read_many` must agree with, in data and in errors."""
+        meta, out = req.meta, req.out
+        if any(n == 0 for n in req.shape):
+            return
+        links = self.links(meta.name)
+        word = word_dtype(meta.itemsize)
+        buf = np.empty(meta.inner_nbytes // word.itemsize, dtype=word)
+        dst_v = _cells(as_bytes(out), meta.itemsize, req.shape)
+        src_v = _cells(buf, meta.itemsize, meta.inner_chunk_shape)
+        for shard, ordinal, _whole, src, dst in _chunks_of(req):
+            reconstruct_inner(links, (*shard, ordinal), self._read_inner, buf)
+            dst_v[dst] = src_v[src]
 
     def _read_inner(self, step: int, name: str, coords: tuple[int, ...]) -> bytes | memoryview | None:
         meta, files = self.get(step)
@@ -74,61 +148,554 @@ class ChainReader:
         if off == EMPTY:
             if chunked:
                 return None
-            raise CorruptShardIndexError(f"{key}: inner chunk {ordinal} of tensor {name!r} is absent from its shard",
-                                         tensor=name, file=key)
+            raise _absent(key, ordinal, name)
         try:
             raw = files.store.read_range(key, off, nb)
         except (FileNotFoundError, NotADirectoryError):
-            raise MissingShardError(f"shard {key} of tensor {name!r} is missing", tensor=name, file=key) from None
-        files.bytes_read += len(raw)
+            raise _missing(key, name) from None
+        files.count(len(raw))
         if len(raw) != nb:
-            raise ShardSizeError(f"{key}: the shard of tensor {name!r} is truncated", tensor=name, file=key)
-        data = memoryview(raw)[:-4]
-        from ucl import _native
+            raise _truncated(key, name)
+        return _checked(arr, files, key, ordinal, memoryview(raw), chunked)
 
-        if _native.crc32c(data) != _CRC.unpack(raw[-4:])[0]:
-            raise ChecksumError(f"{key}: inner chunk {ordinal} of tensor {name!r} (step {step}) fails its crc32c",
-                                tensor=name, file=key)
-        return data if chunked else decode_chunk(arr, data, key, (ordinal,))
+    # -- planning ----------------------------------------------------------------------------------
+    def _plan(self, requests: Sequence[Request]) -> tuple[list[_Group], dict[int, BaseException]]:
+        groups: list[_Group] = []
+        errors: dict[int, BaseException] = {}
+        order = 0
+        for req in requests:
+            if any(n == 0 for n in req.shape):
+                continue
+            meta = req.meta
+            try:
+                links = self.links(meta.name)
+                metas = [self.get(link.step)[0].arrays[meta.name] for link in links]
+            except Exception as e:  # noqa: BLE001 - raised in request order, after earlier requests' errors
+                errors[order] = e
+                break
+            fetched = [(link, m) for link, m in zip(links, metas, strict=True) if link.kind != "unchanged"]
+            word = word_dtype(meta.itemsize)
+            out_bytes = as_bytes(req.out)
+            out_words = np.frombuffer(out_bytes, dtype=word)
+            dst_cells = None
+            per = meta.inner_nbytes // word.itemsize  # words of an inner chunk
+            wpe = meta.itemsize // word.itemsize  # words per element (2 for complex128)
+            cur: _Group | None = None
+            for shard, ordinal, whole, src, dst in _chunks_of(req):
+                if cur is None or cur.shard != shard or cur.nbytes + meta.inner_nbytes > GROUP_BYTES:
+                    cur = _Group(meta, shard, links, fetched, _covers(meta, shard, req.start, req.shape))
+                    groups.append(cur)
+                direct = None
+                run = _run_of(dst, req.shape) if whole else None
+                if run is not None:
+                    direct = out_words[run[0] * wpe : run[0] * wpe + per]
+                place = None
+                if direct is None:
+                    if dst_cells is None:
+                        dst_cells = _cells(out_bytes, meta.itemsize, req.shape)
+                    place = (dst_cells, dst, src)
+                cur.jobs.append(_Job(order, (*shard, ordinal), direct, place))
+                cur.nbytes += meta.inner_nbytes
+                order += 1
+        for g in groups:
+            # needed whole: every in-bounds chunk of a shard its request covers
+            g.whole = g.covers and len(g.jobs) == _in_bounds(g.meta, g.shard)
+            ordinals = [job.coords[-1] for job in g.jobs]
+            for link, arr in g.fetched:
+                files = self.get(link.step)[1]
+                g.fetches.append(_Fetch(link.step, arr, files, g.shard, ordinals, g.whole))
+                rec = files.record.files.get(arr.shard_key(g.shard))
+                size = rec[0] if rec is not None else 0  # a shard not listed: not read
+                g.cost += size if g.whole else min(size, len(g.jobs) * (arr.inner_nbytes + 4))
+            g.cost = max(1, g.cost)
+        return groups, errors
 
-    def read(self, req: Request) -> None:
-        """Fill ``req.out`` with the box of the delta-step tensor ``req.meta``, bit-exactly."""
-        meta, out = req.meta, req.out
-        if any(n == 0 for n in req.shape):
+    # -- the pieces the pipeline runs ------------------------------------------------------------
+    def _pools_get(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+        with self._lock:
+            if self._pools is None or self._pools[0] != os.getpid():  # none yet, or inherited by a fork
+                self._pools = (os.getpid(), ThreadPoolExecutor(IO_THREADS, thread_name_prefix="ucl-delta-io"),
+                               ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="ucl-delta-decode"))
+            return self._pools[1], self._pools[2]
+
+    def close(self) -> None:
+        """Stop the reader's threads (they are started again on the next read)."""
+        with self._lock:
+            pools, self._pools = self._pools, None
+        if pools is not None and pools[0] == os.getpid():
+            pools[1].shutdown(wait=True)
+            pools[2].shutdown(wait=True)
+        self._buffers.trim(0)
+
+    def __del__(self) -> None:
+        pools = getattr(self, "_pools", None)
+        if pools is not None and pools[0] == os.getpid():
+            pools[1].shutdown(wait=False)
+            pools[2].shutdown(wait=False)
+
+    def _fetch(self, f: _Fetch) -> None:
+        """Read what the group needs of one link's shard; keep each chunk's outcome (never raises)."""
+        arr, files, name, shard = f.arr, f.files, f.arr.name, f.shard
+        chunked = arr.delta is not None
+        if chunked and arr.shard_key(shard) not in files.record.files:
+            return  # the whole shard is unchanged: every chunk absent
+        try:
+            index, data = self._index(files, arr, shard, f.whole, f)
+            key, _ = files.shard(arr, shard)
+        except Exception as e:  # noqa: BLE001 - what reading any chunk of this shard raises
+            f.error = e
             return
-        links = self.links(meta.name)
-        stop = tuple(a + n for a, n in zip(req.start, req.shape, strict=True))
-        word = word_dtype(meta.itemsize)
-        buf = np.empty(meta.inner_nbytes // np.dtype(word).itemsize, dtype=word)
-        tdtype = dtypes.to_torch(meta.dtype)
-        for shard in _shards_of(meta, req.start, stop):
-            origin = [c * s for c, s in zip(shard, meta.chunk_shape, strict=True)]
-            ranges = []
-            for d in range(len(shard)):
-                i = meta.inner_chunk_shape[d]
-                ranges.append(range(max(0, (req.start[d] - origin[d]) // i),
-                                    min(meta.inner_grid[d], -(-(stop[d] - origin[d]) // i))))
-            for ic in itertools.product(*ranges):
-                ordinal = int(np.ravel_multi_index(ic, meta.inner_grid)) if ic else 0
-                try:
-                    reconstruct_inner(links, (*shard, ordinal), self._read_inner, buf)
-                except UCLError:
+        res = f.results
+        spans = []
+        for ordinal in f.ordinals:
+            off, nb = int(index[ordinal, 0]), int(index[ordinal, 1])
+            if off == EMPTY:
+                res[ordinal] = None if chunked else _absent(key, ordinal, name)
+            elif data is not None:
+                res[ordinal] = self._outcome(arr, files, key, ordinal, data[off : off + nb], chunked)
+            else:
+                spans.append((off, nb, ordinal))
+        if not spans:
+            return
+        spans.sort()
+        seg: list[tuple[int, int, int]] = []
+        for s in spans:
+            if seg and (s[0] != seg[-1][0] + seg[-1][1] or s[0] + s[1] - seg[0][0] > SEGMENT_MAX):
+                self._segment(f, key, seg, chunked)
+                seg = []
+            seg.append(s)
+        self._segment(f, key, seg, chunked)
+
+    def _segment(self, f: _Fetch, key: str, seg: list[tuple[int, int, int]], chunked: bool) -> None:
+        """One read of adjacent chunks [(offset, nbytes, ordinal), ...]; each checked on its own."""
+        arr, files = f.arr, f.files
+        start, end = seg[0][0], seg[-1][0] + seg[-1][1]
+        try:
+            got = self._pread(files, key, start, end - start, f)
+        except (FileNotFoundError, NotADirectoryError):
+            for _, _, ordinal in seg:
+                f.results[ordinal] = _missing(key, arr.name)
+            return
+        except Exception as e:  # noqa: BLE001 - an I/O error: what reading each of these chunks raises
+            for _, _, ordinal in seg:
+                f.results[ordinal] = e
+            return
+        for off, nb, ordinal in seg:
+            part = got[off - start : off - start + nb]
+            f.results[ordinal] = (self._outcome(arr, files, key, ordinal, part, chunked) if len(part) == nb
+                                  else _truncated(key, arr.name))
+
+    def _outcome(self, arr: ArrayMeta, files: StepFiles, key: str, ordinal: int, raw: memoryview,
+                 chunked: bool) -> Any:
+        try:
+            return _checked(arr, files, key, ordinal, raw, chunked)
+        except Exception as e:  # noqa: BLE001
+            return e
+
+    def _index(self, files: StepFiles, arr: ArrayMeta, shard: tuple[int, ...], whole: bool,
+               f: _Fetch) -> tuple[np.ndarray, memoryview | None]:
+        """The shard's checked index (as ``files.index``), and the whole file when it was read whole."""
+        cached = files.indexes.get((arr.name, shard))
+        if cached is not None:
+            return cached, None
+        key, size = files.shard(arr, shard)
+        n = index_nbytes(arr.n_inner)
+        if not whole or size > WHOLE_MAX or size < n:
+            return files.index(arr, shard), None
+        try:
+            data = self._pread(files, key, 0, size, f)
+        except (FileNotFoundError, NotADirectoryError):
+            raise _missing(key, arr.name) from None
+        idx = parse_index(arr, bytes(data[size - n :]), size, key)  # a copy: the buffer is reused later
+        files.indexes[(arr.name, shard)] = idx
+        return idx, data
+
+    def _pread(self, files: StepFiles, key: str, offset: int, length: int, f: _Fetch) -> memoryview:
+        """``length`` bytes at ``offset`` (fewer only at the end of the file), counted; local files are
+        read into a reused buffer that the fetch holds until its group is rebuilt: with O_DIRECT when
+        the range is large and not in the page cache (as ucl.boxread: the device writes the buffer, no
+        page-cache copy, no readahead), else buffered."""
+        path = files.local_path(key)
+        if path is None:
+            raw = files.store.read_range(key, offset, length)
+            files.count(len(raw))
+            return memoryview(raw)
+        if boxread.DIRECT and files.direct_ok and length >= boxread.DIRECT_MIN_BYTES:
+            got_direct = self._pread_direct(files, path, offset, length, f)
+            if got_direct is not None:
+                files.count(got_direct.nbytes)
+                return got_direct
+        buf = self._buffers.get(length)
+        f.buffers.append(buf)
+        mv = memoryview(buf)[:length]  # type: ignore[arg-type]
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            got = 0
+            while got < length:
+                k = os.preadv(fd, [mv[got:]], offset + got)
+                if k == 0:
+                    break
+                got += k
+        finally:
+            os.close(fd)
+        files.count(got)
+        return mv[:got]
+
+    def _pread_direct(self, files: StepFiles, path: str, offset: int, length: int,
+                      f: _Fetch) -> memoryview | None:
+        """The range read with O_DIRECT into an aligned buffer, or None: mostly cached (a buffered read is
+        faster then), or a filesystem without O_DIRECT (remembered)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno == errno.EINVAL:  # no O_DIRECT here (tmpfs, some FUSE)
+                files.direct_ok = False
+            return None  # a missing file: the buffered open says so
+        try:
+            if boxread._mostly_cached(fd, offset, length):
+                return None
+            base = offset - offset % _ALIGN
+            span = -(-(offset + length - base) // _ALIGN) * _ALIGN
+            buf = self._buffers.get(span + _ALIGN)
+            f.buffers.append(buf)
+            skip = -buf.ctypes.data % _ALIGN
+            mv = memoryview(buf)[skip : skip + span]  # type: ignore[arg-type]
+            try:
+                got = boxread._pread_direct(fd, mv, base)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
                     raise
-                c_start = [o + c * i for o, c, i in zip(origin, ic, meta.inner_chunk_shape, strict=True)]
-                lo = [max(a, b) for a, b in zip(c_start, req.start, strict=True)]
-                hi = [min(a + i, s, b) for a, i, s, b in zip(c_start, meta.inner_chunk_shape, meta.shape, stop,
-                                                             strict=True)]
-                src = tuple(slice(a - c, b - c) for a, b, c in zip(lo, hi, c_start, strict=True))
-                dst = tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, req.start, strict=True))
-                t = _as_tensor(buf, meta, tdtype)
-                out[dst] = t[src]
+                files.direct_ok = False  # the device wants more alignment: buffered from now on
+                return None
+            return mv[offset - base : max(offset - base, min(got, offset + length - base))]
+        finally:
+            os.close(fd)
+
+    def _rebuild(self, g: _Group, job: _Job) -> None:
+        """Rebuild one chunk from its group's fetched outcomes, into its destination."""
+        by_step = {f.step: f for f in g.fetches}
+        ordinal = job.coords[-1]
+
+        def replay(step: int, name: str, coords: tuple[int, ...]) -> bytes | memoryview | None:
+            f = by_step[step]
+            if f.error is not None:
+                raise f.error
+            v = f.results.get(ordinal)
+            if isinstance(v, BaseException):
+                raise v
+            return v  # type: ignore[no-any-return]
+
+        meta = g.meta
+        out = job.direct
+        if out is None:
+            out = self._scratch_for(meta)
+        taken: list[np.ndarray] = []
+
+        def scratch(n: int) -> np.ndarray:
+            taken.append(self._buffers.get(n))
+            return taken[-1][:n]
+
+        par = meta.inner_nbytes >= PARALLEL_MIN_BYTES
+        try:
+            reconstruct_inner(g.links, job.coords, replay, out, run=self._run_tasks if par else None,
+                              scratch=scratch, parts=DECODE_THREADS)
+        finally:
+            for b in taken:
+                self._buffers.put(b)
+        if job.place is not None:
+            cells, dst, src = job.place
+            cells[dst] = _cells(out, meta.itemsize, meta.inner_chunk_shape)[src]
+
+    def _run_tasks(self, fns: list[Callable[[], Any]]) -> list[Any]:
+        """Call every function, on the calling thread and idle decode threads; results in order. Never
+        waits for a task that has not started (it runs it itself), so rebuilds running on every decode
+        thread cannot deadlock."""
+        if len(fns) == 1 or DECODE_THREADS == 1:
+            return [f() for f in fns]
+        results: list[Any] = [None] * len(fns)
+        todo = iter(range(len(fns)))
+        lock = threading.Lock()
+
+        def work() -> None:
+            while True:
+                with lock:
+                    i = next(todo, None)
+                if i is None:
+                    return
+                results[i] = fns[i]()
+
+        _, cpu = self._pools_get()
+        helpers = [cpu.submit(work) for _ in range(min(len(fns), DECODE_THREADS) - 1)]
+        try:
+            work()
+        finally:
+            for h in helpers:
+                if not h.cancel():
+                    h.result()  # started: it finishes what it took (raises its error, if any)
+        return results
+
+    def _scratch_for(self, meta: ArrayMeta) -> np.ndarray:
+        word = word_dtype(meta.itemsize)
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None or buf.nbytes < meta.inner_nbytes:
+            buf = self._scratch.buf = np.empty(max(meta.inner_nbytes, 1 << 16), np.uint8)
+        return buf[: meta.inner_nbytes].view(word)
 
 
-def _as_tensor(buf: np.ndarray, meta: ArrayMeta, tdtype: torch.dtype) -> torch.Tensor:
-    t = torch.from_numpy(buf).view(torch.uint8)
-    t = t.view(torch.uint8 if tdtype == torch.bool else tdtype)
-    t = t.reshape(meta.inner_chunk_shape) if meta.inner_chunk_shape else t.reshape(())
-    return t.view(torch.bool) if tdtype == torch.bool else t
+# -- the pipeline ------------------------------------------------------------------------------------
+class _Job:
+    """One inner chunk of one request: where it goes."""
+
+    __slots__ = ("order", "coords", "direct", "place")
+
+    def __init__(self, order: int, coords: tuple[int, ...], direct: np.ndarray | None,
+                 place: tuple[np.ndarray, tuple[slice, ...], tuple[slice, ...]] | None) -> None:
+        self.order = order  # position in the sequential read: errors are raised in this order
+        self.coords = coords  # (*shard, ordinal)
+        self.direct = direct  # the destination's words, when the chunk is rebuilt in place
+        self.place = place  # (destination cells, destination slices, chunk slices) otherwise
+
+
+class _Fetch:
+    """What one group needs of one link's shard, and what reading it gave."""
+
+    __slots__ = ("step", "arr", "files", "shard", "ordinals", "whole", "results", "error", "buffers")
+
+    def __init__(self, step: int, arr: ArrayMeta, files: StepFiles, shard: tuple[int, ...],
+                 ordinals: list[int], whole: bool) -> None:
+        self.step, self.arr, self.files, self.shard = step, arr, files, shard
+        self.ordinals = ordinals
+        self.whole = whole
+        self.results: dict[int, Any] = {}  # ordinal -> payload | None (absent) | the error reading it raised
+        self.error: BaseException | None = None  # what reading any chunk of the shard raises (its index)
+        self.buffers: list[np.ndarray] = []
+
+
+class _Group:
+    """Adjacent inner chunks of one request in one shard: fetched together, each link in one task."""
+
+    def __init__(self, meta: ArrayMeta, shard: tuple[int, ...], links: list[ArrayInfo],
+                 fetched: list[tuple[ArrayInfo, ArrayMeta]], covers: bool) -> None:
+        self.meta = meta
+        self.shard = shard
+        self.links = links
+        self.fetched = fetched  # the links read (not unchanged) and their array documents
+        self.jobs: list[_Job] = []
+        self.nbytes = 0
+        self.covers = covers  # the request's box covers the shard
+        self.whole = False  # the group is every in-bounds chunk of the shard
+        self.fetches: list[_Fetch] = []
+        self.waiting = 0  # fetches not done
+        self.left = 0  # jobs not rebuilt
+        self.cost = 0  # bytes charged to the in-flight budget
+
+    @property
+    def first(self) -> int:
+        return self.jobs[0].order
+
+
+class _Run:
+    """One read_many call: schedules fetches and rebuilds on the reader's pools from the calling thread."""
+
+    def __init__(self, reader: ChainReader, groups: list[_Group], errors: dict[int, BaseException]) -> None:
+        self.r = reader
+        self.groups = groups
+        self.errors = errors
+        self.cut = min(errors) if errors else math.inf  # nothing after the first error is started
+        self.events: queue.SimpleQueue[tuple[str, _Group, Any, Future[None]]] = queue.SimpleQueue()
+        self.running = 0
+        self.inflight = 0
+
+    def run(self) -> None:
+        io, cpu = self.r._pools_get()
+        fatal: BaseException | None = None
+        nxt = 0
+        try:
+            while True:
+                while (fatal is None and nxt < len(self.groups) and self.groups[nxt].first < self.cut
+                       and (self.inflight == 0 or self.inflight + self.groups[nxt].cost <= INFLIGHT_BYTES)):
+                    self._start(io, self.groups[nxt])
+                    nxt += 1
+                if self.running == 0:
+                    break
+                kind, g, item, fut = self.events.get()
+                self.running -= 1
+                exc = fut.exception()
+                if kind == "fetch":
+                    if exc is not None:  # not an error of the data (those are kept): a bug, memory
+                        fatal = fatal or exc
+                    g.waiting -= 1
+                    if g.waiting == 0:
+                        for job in g.jobs:
+                            if job.order < self.cut and fatal is None:
+                                self._submit(cpu, "rebuild", g, job, self.r._rebuild, g, job)
+                            else:
+                                self._done(g)
+                else:
+                    if exc is not None:
+                        self.errors[item.order] = exc
+                        self.cut = min(self.cut, item.order)
+                    self._done(g)
+        finally:
+            while self.running:  # on an unexpected error: nothing of this read keeps running after it returns
+                self.events.get()
+                self.running -= 1
+            self.r._buffers.trim(KEEP_BYTES)
+        if fatal is not None:
+            raise fatal
+        if self.errors:
+            raise self.errors[min(self.errors)]
+
+    def _start(self, io: ThreadPoolExecutor, g: _Group) -> None:
+        self.inflight += g.cost
+        g.left = len(g.jobs)
+        g.waiting = len(g.fetches)  # >= 1: the oldest link is stored full and always read
+        if g.cost <= INLINE_BYTES:  # small: handing it to threads costs more than doing it
+            for f in reversed(g.fetches):
+                self.r._fetch(f)
+            for job in g.jobs:
+                if job.order < self.cut:
+                    try:
+                        self.r._rebuild(g, job)
+                    except Exception as e:  # noqa: BLE001 - raised in order, at the end
+                        self.errors[job.order] = e
+                        self.cut = min(self.cut, job.order)
+                self._done(g)
+            return
+        for f in reversed(g.fetches):  # newest first: the links every walk starts with
+            self._submit(io, "fetch", g, f, self.r._fetch, f)
+
+    def _submit(self, pool: ThreadPoolExecutor, kind: str, g: _Group, item: Any, fn: Callable[..., None],
+                *args: Any) -> None:
+        fut = pool.submit(fn, *args)
+        self.running += 1
+        fut.add_done_callback(lambda fu: self.events.put((kind, g, item, fu)))
+
+    def _done(self, g: _Group) -> None:
+        g.left -= 1
+        if g.left == 0:  # every chunk of the group rebuilt (or skipped): its buffers go back
+            for f in g.fetches:
+                for b in f.buffers:
+                    self.r._buffers.put(b)
+                f.buffers.clear()
+                f.results.clear()
+            self.inflight -= g.cost
+
+
+class _Buffers:
+    """Read buffers by power-of-two capacity, reused across reads (touching fresh pages costs more
+    than the copy into them)."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, n: int) -> np.ndarray:
+        cap = max(1 << 16, 1 << (max(n, 1) - 1).bit_length())
+        with self._lock:
+            free = self._free.get(cap)
+            if free:
+                self._bytes -= cap
+                return free.pop()
+        return np.empty(cap, np.uint8)
+
+    def put(self, b: np.ndarray) -> None:
+        with self._lock:
+            self._free.setdefault(b.nbytes, []).append(b)
+            self._bytes += b.nbytes
+
+    def trim(self, keep: int) -> None:
+        with self._lock:
+            for cap in sorted(self._free, reverse=True):
+                free = self._free[cap]
+                while free and self._bytes > keep:
+                    free.pop()
+                    self._bytes -= cap
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+def _chunks_of(req: Request) -> Any:
+    """(shard, ordinal, whole, chunk slices, destination slices) of each inner chunk the box touches, in
+    the sequential reading order; ``whole``: the chunk lies whole in the box (not clipped by it or by the
+    array's edge)."""
+    meta = req.meta
+    stop = tuple(a + n for a, n in zip(req.start, req.shape, strict=True))
+    for shard in _shards_of(meta, req.start, stop):
+        origin = [c * s for c, s in zip(shard, meta.chunk_shape, strict=True)]
+        ranges = []
+        for d in range(len(shard)):
+            i = meta.inner_chunk_shape[d]
+            ranges.append(range(max(0, (req.start[d] - origin[d]) // i),
+                                min(meta.inner_grid[d], -(-(stop[d] - origin[d]) // i))))
+        for ic in itertools.product(*ranges):
+            ordinal = int(np.ravel_multi_index(ic, meta.inner_grid)) if ic else 0
+            c_start = [o + c * i for o, c, i in zip(origin, ic, meta.inner_chunk_shape, strict=True)]
+            lo = [max(a, b) for a, b in zip(c_start, req.start, strict=True)]
+            hi = [min(a + i, s, b) for a, i, s, b in zip(c_start, meta.inner_chunk_shape, meta.shape, stop,
+                                                         strict=True)]
+            whole = all(b - a == i for a, b, i in zip(lo, hi, meta.inner_chunk_shape, strict=True))
+            src = tuple(slice(a - c, b - c) for a, b, c in zip(lo, hi, c_start, strict=True))
+            dst = tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, req.start, strict=True))
+            yield shard, ordinal, whole, src, dst
+
+
+def _run_of(dst: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """The box ``dst`` of a C-contiguous array of ``shape`` as one run of elements (start, count), or
+    None when it is not one run: every dimension after the first one of extent > 1 must be whole."""
+    ext = [s.stop - s.start for s in dst]
+    k = next((d for d, e in enumerate(ext) if e != 1), len(ext))
+    if any(ext[d] != shape[d] for d in range(k + 1, len(ext))):
+        return None
+    start = 0
+    for s, n in zip(dst, shape, strict=True):
+        start = start * n + s.start
+    return start, math.prod(ext)
+
+
+def _cells(buf: Any, itemsize: int, shape: tuple[int, ...]) -> np.ndarray:
+    """A buffer as an array of ``shape`` whose elements are opaque ``itemsize``-byte cells (any dtype)."""
+    return np.frombuffer(buf, dtype=np.dtype((np.void, itemsize))).reshape(shape)
+
+
+def _covers(meta: ArrayMeta, shard: tuple[int, ...], start: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    for c, cs, n, a, k in zip(shard, meta.chunk_shape, meta.shape, start, shape, strict=True):
+        if a > c * cs or a + k < min((c + 1) * cs, n):
+            return False
+    return True
+
+
+def _in_bounds(meta: ArrayMeta, shard: tuple[int, ...]) -> int:
+    """Inner chunks of a shard that are not wholly outside the array."""
+    n = 1
+    for c, cs, i, g, s in zip(shard, meta.chunk_shape, meta.inner_chunk_shape, meta.inner_grid, meta.shape,
+                              strict=True):
+        n *= min(g, -(-(s - c * cs) // i))
+    return n
+
+
+def _checked(arr: ArrayMeta, files: StepFiles, key: str, ordinal: int, raw: memoryview, chunked: bool) -> Any:
+    """A chunk's stored bytes (payload and crc32c) -> the payload, crc verified (a full link: its values)."""
+    from ucl import _native
+
+    data = raw[:-4]
+    if _native.crc32c(data) != _CRC.unpack(raw[-4:])[0]:
+        raise ChecksumError(f"{key}: inner chunk {ordinal} of tensor {arr.name!r} (step {files.step}) fails "
+                            "its crc32c", tensor=arr.name, file=key)
+    return data if chunked else decode_chunk(arr, data, key, (ordinal,))
+
+
+def _absent(key: str, ordinal: int, name: str) -> CorruptShardIndexError:
+    return CorruptShardIndexError(f"{key}: inner chunk {ordinal} of tensor {name!r} is absent from its shard",
+                                  tensor=name, file=key)
+
+
+def _missing(key: str, name: str) -> MissingShardError:
+    return MissingShardError(f"shard {key} of tensor {name!r} is missing", tensor=name, file=key)
+
+
+def _truncated(key: str, name: str) -> ShardSizeError:
+    return ShardSizeError(f"{key}: the shard of tensor {name!r} is truncated", tensor=name, file=key)
 
 
 def needs_chain(meta: ArrayMeta) -> bool:
