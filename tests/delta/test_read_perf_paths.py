@@ -36,7 +36,7 @@ def bits(t: torch.Tensor) -> bytes:
 @pytest.fixture(params=["shipped", "forced", "forced-narrow"])
 def paths(request, monkeypatch):
     if request.param.startswith("forced"):
-        monkeypatch.setattr(read_mod, "INLINE_BYTES", 0)
+        monkeypatch.setattr(read_mod, "SMALL_BYTES", 0)
         monkeypatch.setattr(read_mod, "PARALLEL_MIN_BYTES", 0)
         monkeypatch.setattr(read_mod, "GROUP_BYTES", 1)
         # wide: every group in flight at once (errors met in any order); narrow: one group at a time
