@@ -333,36 +333,42 @@ def _apply_parallel(
     scratch: Callable[[int], np.ndarray] | None,
     parts: int,
 ) -> None:
-    """Decode the payloads (oldest first) each on its own, then apply them all in one pass over ``out``:
-    what decoding them one after the other into ``out`` gives, and the error it raises first."""
+    """Decode the payloads (oldest first) each on its own, then apply them in one pass over ``out``, a
+    batch of ``max(2, parts)`` payloads at a time (that many scratch buffers): what decoding them one after
+    the other into ``out`` gives, and the error it raises first."""
     from ucl.delta.codec import _native, _raise_c
 
     nat = _native()
     word = out.dtype.itemsize
     nbytes = out.nbytes
-    planes = [np.empty(nbytes, np.uint8) if scratch is None else scratch(nbytes) for _ in pending]
-    split = max(1, -(-parts // len(pending)))  # fewer payloads than parts: each one's frames shared out
-    got = run([partial(nat.unpack, p, b, word, i, split)
-               for (_, p), b in zip(pending, planes, strict=True) for i in range(split)])
-    modes = []
-    for j, (link, _) in enumerate(pending):
-        mine = got[j * split : (j + 1) * split]
-        rc, mode = (-7 if any(r[2] for r in mine) else mine[0][0]), mine[0][1]
-        if rc != 0:  # the first payload (oldest first) that fails, as a sequential decode meets it
-            try:
-                _raise_c(rc, f"delta payload (mode byte {mode})" if rc == -4 else "delta payload")
-            except (FormatError, DeltaChainError) as e:
-                raise _decode_error(link, coords, links[-1], e) from e
-        modes.append(mode)
+    size = max(2, parts)
+    planes = [np.empty(nbytes, np.uint8) if scratch is None else scratch(nbytes)
+              for _ in range(min(size, len(pending)))]
     src: Any = out if base is None else base  # unused when the oldest payload holds full values
     n = out.size
     k = max(1, min(parts, n // APPLY_MIN_WORDS))
     cuts = [n * i // k for i in range(k + 1)]
-    rcs = run([partial(nat.apply, planes, modes, src, out, word, a, b - a)
-               for a, b in zip(cuts, cuts[1:], strict=False)])
-    for rc in rcs:
-        if rc != 0:
-            _raise_c(rc, "delta payload")
+    for j0 in range(0, len(pending), size):
+        batch = pending[j0 : j0 + size]
+        split = max(1, -(-parts // len(batch)))  # fewer payloads than parts: each one's frames shared out
+        got = run([partial(nat.unpack, p, b, word, i, split)
+                   for (_, p), b in zip(batch, planes, strict=False) for i in range(split)])
+        modes = []
+        for j, (link, _) in enumerate(batch):
+            mine = got[j * split : (j + 1) * split]
+            rc, mode = (-7 if any(r[2] for r in mine) else mine[0][0]), mine[0][1]
+            if rc != 0:  # the first payload (oldest first) that fails, as a sequential decode meets it
+                try:
+                    _raise_c(rc, f"delta payload (mode byte {mode})" if rc == -4 else "delta payload")
+                except (FormatError, DeltaChainError) as e:
+                    raise _decode_error(link, coords, links[-1], e) from e
+            modes.append(mode)
+        rcs = run([partial(nat.apply, planes[: len(batch)], modes, src, out, word, a, b - a)
+                   for a, b in zip(cuts, cuts[1:], strict=False)])
+        for rc in rcs:
+            if rc != 0:
+                _raise_c(rc, "delta payload")
+        src = out  # the next batch applies on top of this one
 
 
 def _where(link: ArrayInfo, coords: tuple[int, ...], top: ArrayInfo) -> str:

@@ -5,7 +5,8 @@ the newest one that defines the chunk, read only those inner chunks (crc32c veri
 every reader of the process shares (their tasks never wait for each other; the calling thread schedules
 them); :meth:`ChainReader.read` is the same for one box:
 
-1. plan: each request's inner chunks, shard by shard, in groups of at most GROUP_BYTES. A chunk that
+1. plan: each request's inner chunks, shard by shard, in groups of at most GROUP_BYTES (times the
+   links read: a deep chain reads more per chunk). A chunk that
    lies whole in its box and whose part of the destination is one contiguous run is rebuilt straight
    into the destination; others go through a scratch buffer and are placed after.
 2. fetch, on IO_THREADS threads, per group and link: the chunks the group needs from the link's shard,
@@ -60,7 +61,7 @@ from ucl.delta.chain import (
     resolve_array_chain,
     resolve_chain,
 )
-from ucl.delta.codec import word_dtype
+from ucl.delta.codec import ENCODINGS, word_dtype
 from ucl.delta.records import DeltaRecord
 from ucl.errors import ChecksumError, CorruptShardIndexError, MissingShardError, ShardSizeError
 from ucl.metadata import ArrayMeta, StepMeta
@@ -71,7 +72,8 @@ _ALIGN = 4096
 
 IO_THREADS = 4  # reads in flight (page-cache copies and device requests)
 DECODE_THREADS = min(8, os.cpu_count() or 1)  # chunk rebuilds (C decoder, GIL released)
-GROUP_BYTES = 32 << 20  # inner chunk bytes of one group: the unit of fetching and of the in-flight budget
+GROUP_BYTES = 32 << 20  # inner chunk bytes x links read, of one group (at least one chunk): the unit of
+#                         fetching and of the in-flight budget
 INFLIGHT_BYTES = 64 << 20  # fetched bytes waiting for their decode (one group at least, whatever its size)
 WHOLE_MAX = 16 << 20  # a shard needed whole and at most this big is read in one request, index included
 SEGMENT_MAX = 16 << 20  # the most one read of adjacent chunks covers
@@ -199,7 +201,8 @@ class ChainReader:
             wpe = meta.itemsize // word.itemsize  # words per element (2 for complex128)
             cur: _Group | None = None
             for shard, ordinal, whole, src, dst in _chunks_of(req):
-                if cur is None or cur.shard != shard or cur.nbytes + meta.inner_nbytes > GROUP_BYTES:
+                full = cur is not None and (cur.nbytes + meta.inner_nbytes) * len(fetched) > GROUP_BYTES
+                if cur is None or cur.shard != shard or full:
                     cur = _Group(meta, shard, links, fetched, _covers(meta, shard, req.start, req.shape))
                     groups.append(cur)
                 direct = None
@@ -538,6 +541,11 @@ class _Run:
                     if exc is not None:  # not an error of the data (those are kept): a bug, memory
                         fatal = fatal or exc
                     g.waiting -= 1
+                    if g.waiting == 0 and item is g.fetches[-1] and len(g.fetches) > 1 and fatal is None:
+                        older = _older(g)  # the newest link is in: the older ones, for what it left open
+                        g.waiting = len(older)
+                        for f in reversed(older):
+                            self._submit(io, "fetch", g, f, self.r._fetch, f)
                     if g.waiting == 0:
                         for job in g.jobs:
                             if job.order < self.cut and fatal is None:
@@ -562,9 +570,8 @@ class _Run:
     def _start(self, io: ThreadPoolExecutor, g: _Group) -> None:
         self.inflight += g.cost
         g.left = len(g.jobs)
-        g.waiting = len(g.fetches)  # >= 1: the oldest link is stored full and always read
-        for f in reversed(g.fetches):  # newest first: the links every walk starts with
-            self._submit(io, "fetch", g, f, self.r._fetch, f)
+        g.waiting = 1  # the newest link first: every walk starts there, and it may end them all
+        self._submit(io, "fetch", g, g.fetches[-1], self.r._fetch, g.fetches[-1])
 
     def _start_small(self, io: ThreadPoolExecutor, batch: list[_Group], alone: bool) -> None:
         """Small groups read and rebuilt one after the other by one task (by the calling thread when
@@ -580,7 +587,8 @@ class _Run:
     def _small(self, batch: list[_Group]) -> dict[int, BaseException]:
         errors: dict[int, BaseException] = {}
         for g in batch:
-            for f in reversed(g.fetches):
+            self.r._fetch(g.fetches[-1])
+            for f in reversed(_older(g)):
                 self.r._fetch(f)
             for job in g.jobs:
                 if job.order < self.cut and not errors:  # nothing after an error (a newer one)
@@ -615,6 +623,33 @@ class _Run:
             self.inflight -= g.cost
 
 
+def _older(g: _Group) -> list[_Fetch]:
+    """Once a group's newest link is fetched: its older links' fetches, each for the chunks the newest
+    leaves open (present there as a delta, or absent). A chunk the newest link ends (full values, a mode
+    the walk rejects, an error: the walk stops there) is not read in older links, nor is any chunk when
+    none is open (the older fetches are then dropped)."""
+    newest = g.fetches[-1]
+    if newest.error is not None:
+        want: list[int] = []
+    else:
+        link = g.links[-1] if g.links[-1].step == newest.step else next(
+            x for x in g.links if x.step == newest.step)
+        delta_mode = ENCODINGS.get(link.delta.encoding or "", -1) if link.delta is not None else -1
+        want = []
+        for o in newest.ordinals:
+            v = newest.results.get(o)
+            if v is None or (not isinstance(v, BaseException) and len(v) and v[0] == delta_mode):
+                want.append(o)
+    older = g.fetches[:-1]
+    if not want:
+        g.fetches = [newest]
+        return []
+    if len(want) < len(newest.ordinals):
+        for f in older:
+            f.ordinals, f.whole = want, False  # a part of the shard: read those chunks only
+    return older
+
+
 class _Buffers:
     """Read buffers by power-of-two capacity, reused across reads (touching fresh pages costs more
     than the copy into them). Those of HUGE bytes or more are private anonymous memory, 2 MiB-aligned,
@@ -629,13 +664,21 @@ class _Buffers:
         self._bytes = 0
         self._lock = threading.Lock()
 
+    @classmethod
+    def capacity(cls, n: int) -> int:
+        """Sizes come in steps: powers of two up to HUGE, then multiples of HUGE (less waste)."""
+        if n <= cls.HUGE:
+            return max(1 << 16, 1 << (max(n, 1) - 1).bit_length())
+        return -(-n // cls.HUGE) * cls.HUGE
+
     def get(self, n: int) -> np.ndarray:
-        cap = max(1 << 16, 1 << (max(n, 1) - 1).bit_length())
-        with self._lock:
-            free = self._free.get(cap)
-            if free:
-                self._bytes -= cap
-                return free.pop()
+        cap = self.capacity(n)
+        with self._lock:  # the smallest free one that fits, up to twice the size: warm pages beat fresh ones
+            fits = [c for c, free in self._free.items() if free and cap <= c <= 2 * cap]
+            if fits:
+                c = min(fits)
+                self._bytes -= c
+                return self._free[c].pop()
         if cap < self.HUGE:
             return np.empty(cap, np.uint8)
         mm = mmap.mmap(-1, cap + self.HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -653,7 +696,7 @@ class _Buffers:
 
     def trim(self, keep: int) -> None:
         with self._lock:
-            for cap in sorted(self._free, reverse=True):
+            for cap in sorted(self._free):  # the small ones go first: the large ones cost most to make
                 free = self._free[cap]
                 while free and self._bytes > keep:
                     free.pop()
