@@ -221,10 +221,11 @@ class ChainReader:
             # needed whole: every in-bounds chunk of a shard its request covers
             g.whole = g.covers and len(g.jobs) == _in_bounds(g.meta, g.shard)
             ordinals = [job.coords[-1] for job in g.jobs]
+            rel = g.meta.shard_key(g.shard)  # the same key in every link (same name and chunking)
             for link, arr in g.fetched:
                 files = self.get(link.step)[1]
-                g.fetches.append(_Fetch(link.step, arr, files, g.shard, ordinals, g.whole))
-                rec = files.record.files.get(arr.shard_key(g.shard))
+                g.fetches.append(_Fetch(link.step, arr, files, g.shard, rel, ordinals, g.whole))
+                rec = files.record.files.get(rel)
                 size = rec[0] if rec is not None else 0  # a shard not listed: not read
                 g.cost += size if g.whole else min(size, len(g.jobs) * (arr.inner_nbytes + 4))
             g.cost = max(1, g.cost)
@@ -238,11 +239,11 @@ class ChainReader:
         """Read what the group needs of one link's shard; keep each chunk's outcome (never raises)."""
         arr, files, name, shard = f.arr, f.files, f.arr.name, f.shard
         chunked = arr.delta is not None
-        if chunked and arr.shard_key(shard) not in files.record.files:
+        if chunked and f.rel not in files.record.files:
             return  # the whole shard is unchanged: every chunk absent
         try:
             index, data = self._index(files, arr, shard, f.whole, f)
-            key, _ = files.shard(arr, shard)
+            key = f"{files.prefix}/{f.rel}"  # listed: _index checked it (files.shard)
         except Exception as e:  # noqa: BLE001 - what reading any chunk of this shard raises
             f.error = e
             return
@@ -297,9 +298,12 @@ class ChainReader:
                f: _Fetch) -> tuple[np.ndarray, memoryview | None]:
         """The shard's checked index (as ``files.index``), and the whole file when it was read whole."""
         cached = files.indexes.get((arr.name, shard))
+        rec = files.record.files.get(f.rel)
+        if rec is None:
+            files.shard(arr, shard)  # raises its missing_shard
         if cached is not None:
             return cached, None
-        key, size = files.shard(arr, shard)
+        key, size = f"{files.prefix}/{f.rel}", rec[0]  # type: ignore[index]
         n = index_nbytes(arr.n_inner)
         if not whole or size > WHOLE_MAX or size < n:
             return files.index(arr, shard), None
@@ -460,11 +464,11 @@ class _Job:
 class _Fetch:
     """What one group needs of one link's shard, and what reading it gave."""
 
-    __slots__ = ("step", "arr", "files", "shard", "ordinals", "whole", "results", "error", "buffers")
+    __slots__ = ("step", "arr", "files", "shard", "rel", "ordinals", "whole", "results", "error", "buffers")
 
-    def __init__(self, step: int, arr: ArrayMeta, files: StepFiles, shard: tuple[int, ...],
+    def __init__(self, step: int, arr: ArrayMeta, files: StepFiles, shard: tuple[int, ...], rel: str,
                  ordinals: list[int], whole: bool) -> None:
-        self.step, self.arr, self.files, self.shard = step, arr, files, shard
+        self.step, self.arr, self.files, self.shard, self.rel = step, arr, files, shard, rel
         self.ordinals = ordinals
         self.whole = whole
         self.results: dict[int, Any] = {}  # ordinal -> payload | None (absent) | the error reading it raised
