@@ -352,7 +352,9 @@ def test_compact_a_real_delta_step_keeps_its_children_valid(capsys, tmp_path) ->
 
     g = torch.Generator().manual_seed(0)
     s = {"w": torch.randn(256, 64, generator=g), "frozen": torch.randn(10, generator=g), "n": 0}
-    with CheckpointManager(tmp_path / "d", delta=True) as mgr:
+    from ucl.policy import DeltaPolicy
+
+    with CheckpointManager(tmp_path / "d", delta=DeltaPolicy(base="previous")) as mgr:  # a chain 3 -> 2 -> 1 -> 0
         for step in range(4):
             s["w"][step] += 1
             s["n"] = step

@@ -101,13 +101,15 @@ def test_delta_policy_full_every_and_max_chain() -> None:
 
     assert run(DeltaPolicy(full_every=3), 7) == "FddFddF"
     assert run(DeltaPolicy(full_every=1), 3) == "FFF"
-    assert run(DeltaPolicy(max_chain=2), 7) == "FddFddF"
-    assert run(DeltaPolicy(max_chain=0), 3) == "FFF"
-    assert run(DeltaPolicy(), 70) == "F" + "d" * 64 + "F" + "d" * 4
+    assert run(DeltaPolicy(full_every=None, max_chain=2, base="previous"), 7) == "FddFddF"
+    assert run(DeltaPolicy(max_chain=0, base="previous"), 3) == "FFF"
+    assert run(DeltaPolicy(full_every=None, base="previous"), 70) == "F" + "d" * 64 + "F" + "d" * 4
+    assert run(DeltaPolicy(), 17) == "F" + "d" * 7 + "F" + "d" * 7 + "F"  # default: base="full", full_every=8
     assert run(DeltaPolicy(full_every=10, max_chain=3, base="full"), 11) == "F" + "d" * 9 + "F"
     p = DeltaPolicy(base="full")
     assert p.parent(previous_step=7, last_full_step=4) == 4
-    assert DeltaPolicy().parent(previous_step=7, last_full_step=4) == 7
+    assert DeltaPolicy(base="previous").parent(previous_step=7, last_full_step=4) == 7
+    assert DeltaPolicy().parent(previous_step=7, last_full_step=4) == 4
     assert DeltaPolicy(max_chain=1).decide(0, previous_chain=1) == "full"
 
 

@@ -161,7 +161,8 @@ class CheckpointManager:
         collectives.
     delta
         None (every step full), True (default :class:`ucl.policy.DeltaPolicy`) or a DeltaPolicy: steps
-        are then stored as bit-exact deltas against the previous step's staged copy (spec/delta.md),
+        are then stored as bit-exact deltas against a staged copy of their base (spec/delta.md; the last
+        full step by default, the previous step with ``DeltaPolicy(base="previous")``),
         unchanged tensors and inner chunks costing nothing. Uses a third staging slot (the base).
         With ``DeltaPolicy(gradients=True)`` and ``save(..., optimizer=opt)``, a save taken exactly one
         optimizer step after the previous one stores that step's gradients instead of the parameters and

@@ -409,8 +409,8 @@ class Checkpoint:
                     self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ucl-read")
         if plain:
             read(self._files, plain, self._pool)
-        for r in chained:  # delta-encoded tensors: through the step's chain (spec/delta.md §6.3)
-            self._chain_reader().read(r)
+        if chained:  # delta-encoded tensors: through the step's chain (spec/delta.md §6.3), as one pipeline
+            self._chain_reader().read_many(chained)
 
     def _chain_reader(self) -> Any:
         with self._lock:

@@ -58,7 +58,9 @@ def state_sequences(draw):
         state["i"] += draw(st.integers(0, 2))
         state["flag"] = ~state["flag"] if draw(st.booleans()) else state["flag"]
     policy = draw(st.sampled_from([DeltaPolicy(), DeltaPolicy(full_every=3), DeltaPolicy(max_chain=2),
-                                   DeltaPolicy(base="full"), DeltaPolicy(max_chain=0)]))
+                                   DeltaPolicy(full_every=None, base="previous"),
+                                   DeltaPolicy(full_every=3, max_chain=2, base="previous"),
+                                   DeltaPolicy(max_chain=0)]))
     return seq, policy
 
 
@@ -133,7 +135,7 @@ def test_retention_keeps_the_bases_of_kept_deltas(tmp_path) -> None:
 
 
 def test_missing_parent_is_a_broken_chain(tmp_path) -> None:
-    with CheckpointManager(tmp_path, delta=True) as mgr:
+    with CheckpointManager(tmp_path, delta=DeltaPolicy(base="previous")) as mgr:  # step 2's parent is step 1
         for step in range(3):
             mgr.save(step, {"w": torch.full((8,), float(step))})
         mgr.wait()
