@@ -376,7 +376,8 @@ def engine_step_sizes(args: argparse.Namespace, policy: Any, frozen_layers: int 
             mgr.wait()
         sizes, recorded = [], 0
         for step in sorted(want):
-            files = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(d, "steps", str(step))) for f in fs]
+            top = os.path.join(d, "steps", str(step))
+            files = [os.path.join(r, f) for r, _, fs in os.walk(top) for f in fs]
             sizes.append(sum(os.path.getsize(f) for f in files))
             with ucl.open(d, step) as ck:
                 recorded += ck.records is not None
@@ -520,10 +521,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     from ucl.policy import DeltaPolicy
 
     for label, policy, frozen in (
-        ("engine, state deltas, on disk", DeltaPolicy(), 0),
+        ("engine, state deltas (base=previous), on disk", DeltaPolicy(base="previous"), 0),
         ("engine, gradient records, on disk", DeltaPolicy(gradients=True), 0),
         (f"engine, gradient records, {half} blocks + embedding frozen", DeltaPolicy(gradients=True), half),
-        (f"engine, state deltas, {half} blocks + embedding frozen", DeltaPolicy(), half),
+        (f"engine, state deltas (base=previous), {half} blocks + embedding frozen",
+         DeltaPolicy(base="previous"), half),
     ):
         full_b, step_b, recorded = engine_step_sizes(args, policy, frozen)
         srows.append(

@@ -8,20 +8,19 @@
 Trains the small transformer of bench/delta_codec.py (CPU, fp32, AdamW) and keeps ``--chain + 1``
 consecutive states. The real engine writes them three times:
 
-* ``base='previous'``: ``ucl.engine.CheckpointManager(path, delta=DeltaPolicy(base="previous"))``,
+* ``base='previous'``: ``CheckpointManager(path, delta=DeltaPolicy(full_every=None, base="previous"))``,
   steps 0..N: step 0 full, step k a delta of step k-1, so step N is at chain depth N (N = ``--chain``,
   8 by default);
-* ``base='full'``: ``DeltaPolicy(base="full")``, steps 0..N: every delta step is a delta of step 0, so
-  step N is one delta, N steps away from its base;
+* ``base='full'``: ``DeltaPolicy(full_every=None, base="full")``, steps 0..N: every delta step is a
+  delta of step 0, so step N is one delta, N steps away from its base;
 * ``full``: the last state alone, stored full (``delta=None``), as step N.
 
 Then each read of step N runs in a fresh process (as a job that restarts from its checkpoint; one process
 per read and round, in rotated order; the tables give the median of ``--repeat`` rounds), once cold, then
 once warm:
 
-* ``ucl.open(path, N).load(flat=True)``; and, when the reader has it, every delta tensor of the step read
-  with one ``ChainReader.read_many`` call (what ``load()`` does once ucl/reader.py hands its delta
-  requests over together);
+* ``ucl.open(path, N).load(flat=True)`` (which reads every delta tensor of the step in one
+  ``ChainReader.read_many`` pipeline);
 * cold: the page cache of every repository dropped first (fsync + posix_fadvise DONTNEED per file,
   checked with mincore, as bench/read.py; ``--drop drop_caches`` uses /proc/sys/vm/drop_caches);
 * warm: every file the read needs read once beforehand (buffered), so it is all in the page cache.
@@ -58,8 +57,9 @@ LABELS = {
 }
 #: (repository, how): "load" is Checkpoint.load(); "many" reads every delta tensor of the step in one
 #: ChainReader.read_many call (what load() does once ucl/reader.py hands its delta requests over at once)
-READS = [("full", "load"), ("previous", "load"), ("full-base", "load"), ("previous", "many"),
-         ("full-base", "many")]
+#: load() itself hands every delta tensor to read_many now; the "many" rows (read_many without load()'s
+#: allocation and tree) are kept for profiling: --child repository:many
+READS = [("full", "load"), ("previous", "load"), ("full-base", "load")]
 
 
 def nested(flat: dict[str, Any]) -> dict[str, Any]:
@@ -83,7 +83,8 @@ def write_repos(states: list[dict[str, Any]], d: str) -> tuple[dict[str, str], d
     last = len(states) - 1
     paths = {c: os.path.join(d, c) for c in CASES}
     seconds = {}
-    for c, policy in (("previous", DeltaPolicy(base="previous")), ("full-base", DeltaPolicy(base="full"))):
+    for c, policy in (("previous", DeltaPolicy(full_every=None, base="previous")),
+                      ("full-base", DeltaPolicy(full_every=None, base="full"))):
         t0 = time.perf_counter()
         with CheckpointManager(paths[c], delta=policy) as mgr:
             for k, s in enumerate(states):
@@ -300,11 +301,10 @@ def report(args: argparse.Namespace, cmd: str, results: dict[tuple[str, str, str
         f"written in " + ", ".join(f"{c} {s:.1f} s" for c, s in wsec.items())
         + f"; median of {args.repeat} rounds; cold = page cache dropped with {drop}; total {elapsed:.0f} s.",
         "",
-        f"**Reading step {n} whole** (`ucl.open(path, {n}).load(flat=True)`, open included; "
-        "read_many: every delta tensor in one `ChainReader.read_many` call, metadata included): ratio = "
-        "seconds / seconds of the full step at the same temperature; CPU = process CPU time (every "
-        "thread); library bytes = what the reader counts (`Checkpoint.bytes_read`: indexes and payloads "
-        "of every link); disk = /proc/self/io read_bytes.",
+        f"**Reading step {n} whole** (`ucl.open(path, {n}).load(flat=True)`, open included, in a fresh "
+        "process): ratio = seconds / seconds of the full step at the same temperature; CPU = process "
+        "CPU time (every thread); library bytes = what the reader counts (`Checkpoint.bytes_read`: "
+        "indexes and payloads of every link); disk = /proc/self/io read_bytes.",
         "",
     ]
     rows = []
