@@ -546,34 +546,6 @@ done:
     return result;
 }
 
-/* The frames of a payload (after its mode byte) decoded into sh[0:nbytes], each checked before anything
-   is decoded: 0 or a negative UCL_DELTA_E_*. */
-static int unpack_frames(ZSTD_DCtx *dctx, const uint8_t *p, size_t len, uint8_t *sh, size_t nbytes) {
-    size_t pos = 1, got = 0;
-    int frames = 0;
-    while (pos < len) {
-        size_t rem = len - pos;
-        uint32_t magic;
-        if (rem < 4) return UCL_DELTA_E_FRAME;
-        memcpy(&magic, p + pos, 4);
-        if (magic != ZSTD_MAGIC) return UCL_DELTA_E_FRAME;
-        unsigned long long fcs = ZSTD_getFrameContentSize(p + pos, rem);
-        if (fcs == ZSTD_CONTENTSIZE_ERROR || fcs == ZSTD_CONTENTSIZE_UNKNOWN) return UCL_DELTA_E_FRAME;
-        if (ZSTD_getDictID_fromFrame(p + pos, rem) != 0) return UCL_DELTA_E_FRAME;
-        if (fcs > nbytes - got) return UCL_DELTA_E_SIZE;
-        size_t fsz = ZSTD_findFrameCompressedSize(p + pos, rem);
-        if (ZSTD_isError(fsz)) return UCL_DELTA_E_ZSTD;
-        size_t r = ZSTD_decompressDCtx(dctx, sh + got, (size_t)fcs, p + pos, fsz);
-        if (ZSTD_isError(r) || r != fcs) return UCL_DELTA_E_ZSTD;
-        got += (size_t)fcs;
-        pos += fsz;
-        frames++;
-    }
-    if (frames == 0) return UCL_DELTA_E_FRAME;
-    if (got != nbytes) return UCL_DELTA_E_SIZE;
-    return 0;
-}
-
 /* unpack_frames split over `nparts` calls: every call checks every frame header in order as unpack_frames
    does and returns what unpack_frames would, but decompresses only the frames whose index is `part`
    modulo `nparts` (into their place in sh); *failed is set when one of them does not decompress. The
@@ -607,6 +579,14 @@ static int unpack_frames_part(ZSTD_DCtx *dctx, const uint8_t *p, size_t len, uin
     if (frames == 0) return UCL_DELTA_E_FRAME;
     if (got != nbytes) return UCL_DELTA_E_SIZE;
     return 0;
+}
+
+/* The frames of a payload (after its mode byte) decoded into sh[0:nbytes], each checked before anything
+   is decoded: 0 or a negative UCL_DELTA_E_*. (unpack_frames_part with one part.) */
+static int unpack_frames(ZSTD_DCtx *dctx, const uint8_t *p, size_t len, uint8_t *sh, size_t nbytes) {
+    int failed;
+    int rc = unpack_frames_part(dctx, p, len, sh, nbytes, 0, 1, &failed);
+    return failed ? UCL_DELTA_E_ZSTD : rc;
 }
 
 /* The thread's cached decompression context (or a fresh one, *owned = 1: the caller frees it). */
