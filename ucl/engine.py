@@ -116,14 +116,8 @@ class _GradJob:
     records: Any  # ucl.delta.GradientRecords (base_step = parent)
     staged: dict[str, torch.Tensor]  # gradient arrays' names -> staged gradients
     plan: saveplan.SavePlan  # the gradients' arrays (stored full, zstd)
+    replayed: frozenset[str]  # the state's tensors the replay defines (not written)
     only: bool = False  # the replayed tensors were not staged: the step can only be stored as gradients
-
-    @property
-    def replayed(self) -> set[str]:
-        return set(self.records.parameters) | {n for n in self._state_names if n.startswith(self._state_prefix)}
-
-    _state_names: tuple[str, ...] = ()
-    _state_prefix: str = ""
 
 
 @dataclass
@@ -390,8 +384,7 @@ class CheckpointManager:
         rec = GradientRecords(base_step=self._last_saved, fingerprint=optimizer_fingerprint(optimizer), gradients=gp,
                               parameters=tuple(params), optimizer_state=prefix,
                               param_groups=tuple(dict(g) for g in self._tracker.param_groups))
-        job = _GradJob(self._last_saved, rec, {}, self._grad_plans[key], _state_names=tuple(tensors),
-                       _state_prefix=prefix + "/state/")
+        job = _GradJob(self._last_saved, rec, {}, self._grad_plans[key], frozenset(rec.replayed(tensors)))
         return job, grads
 
     def save_if_due(self, step: int, state: Mapping[str, Any], now: float | None = None) -> SaveHandle | None:

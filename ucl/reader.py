@@ -439,8 +439,8 @@ class Checkpoint:
             info = self._logical().tensors
             out = {n: _alloc(n, d, s) for n, (s, d) in info.items()}
         elif self.records is not None:
-            replayed = self._replayed()
-            out = {n: (replayed[n] if n in replayed else _empty(self.meta.arrays[n], self.meta.arrays[n].shape))
+            replayed = self._replayed()  # cached for later reads: the caller gets copies it may modify
+            out = {n: (replayed[n].clone() if n in replayed else _empty(self.meta.arrays[n], self.meta.arrays[n].shape))
                    for n in self._tree_names()}
             self.load_into({n: t for n, t in out.items() if n not in replayed})
             return out if flat else names.unflatten(self.meta.tree, out)

@@ -114,6 +114,10 @@ def test_lazy_slice_and_zarr_view_of_a_gradient_step(tmp_path: Any) -> None:
     ck = ucl.open(path, 3)
     assert ck.records is not None and "model/1.weight" in ck and "grad/model/1.weight" not in ck
     assert torch.equal(ck["model/1.weight"][3:7], ref[3]["model"]["1.weight"][3:7])
+    first = ck.load(flat=True)
+    first["model/1.weight"].zero_()  # the caller's copy: later reads of the same step are unaffected
+    assert torch.equal(ck.load(flat=True)["model/1.weight"], ref[3]["model"]["1.weight"])
+    assert torch.equal(ck["model/1.weight"][:], ref[3]["model"]["1.weight"])
     assert ck.array("grad/model/1.weight").shape == ref[3]["model"]["1.weight"].shape  # the stored gradient
     z = zarr.open_group(store=ucl.zarr_store(path, 3), mode="r")
     want = ref[3]["optim"]["state"][1]["exp_avg_sq"].numpy()
