@@ -51,7 +51,7 @@ class Report:
     problems: list[Problem] = field(default_factory=list)
     files_checked: int = 0
     bytes_checked: int = 0
-    _deps: dict[int, list[UCLError]] = field(default_factory=dict, repr=False)  # steps others replay on
+    _deps: dict[int, list[Any]] = field(default_factory=dict, repr=False)  # problems of steps others replay on
 
     @property
     def ok(self) -> bool:
@@ -315,9 +315,13 @@ def _check_replay(repo: Repository, step: int, meta: StepMeta, report: Report) -
                                    "replay chain stores", tensor=name), step)
 
 
-def _parent_problems(repo: Repository, step: int, record: CommitRecord, meta: StepMeta, report: Report) -> list[UCLError]:
-    """Integrity of every array of ``step`` and of its delta chain (cached per validation run)."""
+def _parent_problems(repo: Repository, step: int, record: CommitRecord, meta: StepMeta,
+                     report: Report) -> list[Any]:
+    """Problems of every array of ``step`` and of its delta chain (anything with code, message, tensor,
+    file). A step this run has validated already (steps go oldest first) is not read again."""
     cache = report._deps
+    if step not in cache and step in report.steps[:-1]:
+        cache[step] = [p for p in report.problems if p.step == step]
     if step not in cache:
         from ucl.delta.validate import validate_chain
 
