@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import torch
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
-_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+from .docs_pages import run_page
 
 
 def test_delta_page(tmp_path, monkeypatch, capsys) -> None:
-    blocks = _BLOCK.findall((DOCS / "delta.md").read_text())
-    assert len(blocks) >= 5, "docs/delta.md lost its snippets"
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(torch, "__version__", torch.__version__)  # the page patches and restores it
-    namespace: dict[str, object] = {"__name__": "__docs__"}
-    for i, code in enumerate(blocks, 1):
-        exec(compile(code, f"docs/delta.md (python block {i})", "exec"), namespace)  # noqa: S102
+    run_page("delta.md", min_blocks=5)
     out = capsys.readouterr().out.splitlines()
     assert [line.split()[:3] for line in out[:5]] == [["1", "full", "None"]] + [[str(s), "delta", "1"]
                                                                                for s in range(2, 6)]

@@ -2,25 +2,9 @@
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
-_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
-
-
-def snippets(page: str) -> list[str]:
-    return _BLOCK.findall((DOCS / page).read_text())
-
-
-def run_page(page: str) -> None:
-    blocks = snippets(page)
-    assert blocks, f"docs/{page} has no python snippets"
-    namespace: dict[str, object] = {"__name__": "__docs__"}
-    for i, code in enumerate(blocks, 1):
-        exec(compile(code, f"docs/{page} (python block {i})", "exec"), namespace)  # noqa: S102
+from .docs_pages import run_page
 
 
 def test_zarr_page(tmp_path, monkeypatch) -> None:
