@@ -15,7 +15,9 @@ Tables (markdown):
 1. encodings: bytes per step, ratio vs raw, ratio vs plain zstd, encode and decode GB/s per core
 2. per state kind with the writer's choice (``choose_encoding``)
 3. scenarios: half the layers frozen; deltas against the last full step instead of the previous one;
-   gradient records (gradients instead of the optimizer state); rebuilding a step through a chain of 8
+   gradient records (gradients instead of the optimizer state); then steps written by the engine
+   (state deltas beside gradient records, with and without half the model frozen): bytes on disk and
+   the median time ``save`` blocked training, in the same run; rebuilding a step through a chain of 8
 """
 
 from __future__ import annotations
@@ -349,11 +351,11 @@ def rebuild_chain(
 
 
 def engine_step_sizes(args: argparse.Namespace, policy: Any, frozen_layers: int = 0,
-                      saves: int = 4) -> tuple[int, float, int]:
+                      saves: int = 6) -> tuple[int, float, int, float]:
     """Train with the real engine saving every step (``CheckpointManager(delta=policy)``, the optimizer
     passed for gradient records); bytes on disk of the first (full) step, the mean of the next ``saves - 1``
-    steps, and how many of those are gradient-record steps. Every step is read back and checked
-    bit-exact against the state it saved."""
+    steps, how many of those are gradient-record steps, and the median time ``save`` blocked training for
+    them (the staging copy). Every step is read back and checked bit-exact against the state it saved."""
     import copy
     import tempfile
 
@@ -364,13 +366,16 @@ def engine_step_sizes(args: argparse.Namespace, policy: Any, frozen_layers: int 
 
     with tempfile.TemporaryDirectory(prefix="ucl-bench-") as d:
         want: dict[int, Any] = {}
+        blocked: list[float] = []
         with CheckpointManager(d, delta=policy) as mgr:
 
             def save(step: int, model: Any, opt: Any) -> None:
                 if len(want) < saves:
                     st = {"model": model.state_dict(), "optim": opt.state_dict()}
                     want[step] = copy.deepcopy(st)
-                    mgr.save(step, st, optimizer=opt if policy.gradients else None)
+                    h = mgr.save(step, st, optimizer=opt if policy.gradients else None)
+                    if len(want) > 1:
+                        blocked.append(h.staged_s)
 
             train_states(args, frozen_layers=frozen_layers, keep=saves, callback=save)
             mgr.wait()
@@ -387,7 +392,8 @@ def engine_step_sizes(args: argparse.Namespace, policy: Any, frozen_layers: int 
             ref, _ = names.flatten(want[step])
             assert all(torch.equal(got[k].view(-1).view(torch.uint8), ref[k].reshape(-1).view(torch.uint8))
                        for k in ref), f"step {step} is not bit-exact"
-        return sizes[0], sum(sizes[1:]) / (len(sizes) - 1), recorded
+        blocked.sort()
+        return sizes[0], sum(sizes[1:]) / (len(sizes) - 1), recorded, blocked[len(blocked) // 2]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -527,14 +533,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         (f"engine, state deltas (base=previous), {half} blocks + embedding frozen",
          DeltaPolicy(base="previous"), half),
     ):
-        full_b, step_b, recorded = engine_step_sizes(args, policy, frozen)
+        full_b, step_b, recorded, block_s = engine_step_sizes(args, policy, frozen)
         srows.append(
             [
                 label,
                 f"{full_b / 1e6:.2f} MB",
                 f"{step_b / 1e6:.2f} MB",
                 f"{full_b / step_b:.2f}x",
-                f"{recorded} of 3 steps as gradients; read back bit-exact",
+                f"{recorded} of 5 as gradients; save blocks {block_s * 1e3:.1f} ms; read back bit-exact",
             ]
         )
     print(table(["scenario", "full step", "stored", "ratio vs full step", "note"], srows))
