@@ -285,15 +285,8 @@ def rebuild_chain(
     """CPU seconds to rebuild the last state through its chain vs decoding it as one full payload, and the
     bytes each reads. The chain is every state in turn (base='previous'), or with ``base_full`` the first
     state and one delta against it (base='full')."""
-    from ucl.delta import (
-        ArrayInfo,
-        DeltaRecord,
-        bit_view,
-        choose_encoding,
-        decode_chunk,
-        encode_chunk,
-        reconstruct_inner,
-    )
+    from ucl.delta import ArrayInfo, bit_view, decode_chunk, encode_chunk, reconstruct_inner
+    from ucl.format.records import DeltaRecord, choose_encoding
 
     steps = [0, len(states) - 1] if base_full else list(range(len(states)))
     top = steps[-1]
@@ -362,7 +355,7 @@ def engine_step_sizes(args: argparse.Namespace, policy: Any, frozen_layers: int 
     import torch
 
     import ucl
-    from ucl.engine import CheckpointManager
+    from ucl.write.manager import CheckpointManager
 
     with tempfile.TemporaryDirectory(prefix="ucl-bench-") as d:
         want: dict[int, Any] = {}
@@ -387,9 +380,9 @@ def engine_step_sizes(args: argparse.Namespace, policy: Any, frozen_layers: int 
             with ucl.open(d, step) as ck:
                 recorded += ck.records is not None
                 got = ck.load(flat=True)
-            from ucl import names
+            from ucl.format import names
 
-            ref, _ = names.flatten(want[step])
+            ref, _ = structure.flatten(want[step])
             assert all(torch.equal(got[k].view(-1).view(torch.uint8), ref[k].reshape(-1).view(torch.uint8))
                        for k in ref), f"step {step} is not bit-exact"
         blocked.sort()
@@ -411,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from ucl import _delta
-    from ucl.delta import choose_encoding
+    from ucl.format.records import choose_encoding
 
     target = int(args.chunk_mib * (1 << 20))
     t0 = time.time()
@@ -524,7 +517,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "exact only with a matching optimizer fingerprint",
         ]
     )
-    from ucl.policy import DeltaPolicy
+    from ucl.write.policy import DeltaPolicy
 
     for label, policy, frozen in (
         ("engine, state deltas (base=previous), on disk", DeltaPolicy(base="previous"), 0),

@@ -77,8 +77,8 @@ def nested(flat: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_repos(states: list[dict[str, Any]], d: str) -> tuple[dict[str, str], dict[str, float]]:
-    from ucl.engine import CheckpointManager
-    from ucl.policy import DeltaPolicy
+    from ucl.write.manager import CheckpointManager
+    from ucl.write.policy import DeltaPolicy
 
     last = len(states) - 1
     paths = {c: os.path.join(d, c) for c in CASES}
@@ -142,21 +142,21 @@ def read_once(path: str, step: int, how: str = "load") -> tuple[dict[str, Any], 
 
 
 def has_read_many() -> bool:
-    from ucl.delta.read import ChainReader
+    from ucl.read.chain import ChainReader
 
     return hasattr(ChainReader, "read_many")
 
 
 def load_many(path: str, step: int) -> tuple[dict[str, Any], int]:
-    """Every tensor of a step, flat: the stored-full ones through ucl.boxread.read, the delta ones in one
+    """Every tensor of a step, flat: the stored-full ones through ucl.read.boxes.read, the delta ones in one
     ChainReader.read_many call. Returns them and the bytes read."""
     import torch
 
     import ucl
-    from ucl import dtypes
-    from ucl.boxread import Request, StepFiles
-    from ucl.boxread import read as read_boxes
-    from ucl.delta.read import ChainReader
+    from ucl.format import dtypes
+    from ucl.read.boxes import Request, StepFiles
+    from ucl.read.boxes import read as read_boxes
+    from ucl.read.chain import ChainReader
 
     repo = ucl.Repository.open(path)
     steps: dict[int, Any] = {}

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ucl import _engine
-from ucl._native import FileWriter
+from ucl.io.native import FileWriter
 
 BLOCK = 8 << 20
 INFLIGHT = 4

@@ -85,7 +85,7 @@ def write_all(size: str, d: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     import ucl
-    from ucl import names
+    from ucl.format import names
 
     state = C.gpt_state(size)
     p = paths(d)

@@ -7,12 +7,12 @@ One GPT-2-like fp32 state (bench/_common.py). Every 2-D tensor is split over ``t
 by columns (shard(1)); 1-D tensors by rows.
 
 * Single-rank cases: the state is saved as a ucl step under a source layout (tp ranks, written from one
-  process with ucl.reshard.save_sharded: the same files a distributed save writes), then ONE rank of a
+  process with ucl.save_sharded: the same files a distributed save writes), then ONE rank of a
   target layout loads its shard (``ucl.load(path, layout=, mesh=, rank=)``) in a fresh process with a
   cold page cache: the bytes ucl read (chunks + shard indexes), what the disk delivered, the peak RSS
   increase during the load, the time. Targets: bytes read <= 1.1x the rank's shard (plus indexes);
   peak RSS <= the shard + the reader's bounded buffers (64 MiB of temporaries and decode scratch per
-  batch, ucl.reader.FILL_BUFFER_BYTES, + 4 x 8 MiB O_DIRECT bounce buffers).
+  batch, ucl.read.checkpoint.FILL_BUFFER_BYTES, + 4 x 8 MiB O_DIRECT bounce buffers).
 * DCP comparison: 2 processes (gloo, CPU DTensors on a 1-D mesh "tp"): the state saved as DTensors
   Shard(a) by both ucl (CheckpointManager(layout="dtensor")) and DCP (dcp.save), then loaded into
   preallocated DTensors Shard(b) by both (ucl.load_into(layout="dtensor") and dcp.load), cold cache, in
@@ -65,8 +65,9 @@ def layout_for(shapes: dict[str, tuple[int, ...]], dim: int) -> Any:
 
 
 def write_sources(state: dict[str, Any], d: str, cases: list[Any]) -> dict[str, str]:
-    from ucl.layout import Mesh, shard_local_state
-    from ucl.reshard import save_sharded
+    from ucl.layout import Mesh
+    from ucl.testing.layout_reference import shard_local_state
+    from ucl.write.save import save_sharded
 
     shapes = {n: tuple(t.shape) for n, t in state.items()}
     out = {}
@@ -87,9 +88,9 @@ def write_sources(state: dict[str, Any], d: str, cases: list[Any]) -> dict[str, 
 # == children ==========================================================================================
 def child_ucl(args: argparse.Namespace) -> int:
     import ucl
+    from ucl.format.shardfile import index_nbytes
     from ucl.layout import Layout, Mesh
-    from ucl.reshard import load_plan
-    from ucl.shard import index_nbytes
+    from ucl.read.load import load_plan
 
     layout = Layout.from_dict(json.loads(args.layout))
     mesh = Mesh.of(tp=args.tp)
@@ -118,7 +119,7 @@ def dist_case(rank: int, world: int, d: str, size: str, repeat: int, drop: str) 
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import ucl
-    from ucl.engine import CheckpointManager
+    from ucl.write.manager import CheckpointManager
 
     torch.set_num_threads(1)
     state = C.gpt_state(size)
@@ -384,7 +385,7 @@ def report(
         "array too small to split into >= 32 KiB inner chunks, is read in whole inner chunks past the ends "
         "of the box a rank needs). "
         f"Peak RSS <= shard + {BUFFER_BOUND / 2**20:.0f} MiB (at most 64 MiB of temporaries and decode "
-        "scratch per batch, ucl.reader.FILL_BUFFER_BYTES, + 4 x 8 MiB O_DIRECT bounce buffers): worst shard "
+        "scratch per batch, ucl.read.checkpoint.FILL_BUFFER_BYTES, + 4 x 8 MiB O_DIRECT bounce buffers): worst shard "
         f"+ {worst_peak / 2**20:.0f} MiB."
     )
     if dist_res is not None:

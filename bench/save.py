@@ -76,7 +76,7 @@ def child(case: str, size: str, root: str) -> dict:
         gbps = device_limit(out, n)
         blocking = durable = n / gbps / 1e9
     elif case.startswith("ucl"):
-        from ucl.engine import CheckpointManager
+        from ucl.write.manager import CheckpointManager
 
         budget = nbytes if "budget" in case else None
         with CheckpointManager(out, staging_bytes=budget) as mgr:

@@ -41,11 +41,13 @@ from typing import Any
 import torch
 
 import ucl
-from ucl import _native, metadata, names
-from ucl.metadata import ArrayMeta, StepMeta
-from ucl.repo import Repository
-from ucl.shard import file_digest
-from ucl.writer import StepWriter, all_shards, array_for, shard_block
+from ucl.format import metadata, names, structure
+from ucl.format.metadata import ArrayMeta, StepMeta
+from ucl.format.repository import Repository
+from ucl.format.shardfile import file_digest
+from ucl.io import native as _native
+from ucl.plan.save import all_shards, array_for, shard_block
+from ucl.write.step import StepWriter
 
 HERE = Path(__file__).resolve().parent
 FIXED_TIME = "2026-01-01T00:00:00.000000Z"
@@ -361,8 +363,8 @@ def gradient_run(path: Path, steps: int = 3) -> dict[int, dict[str, torch.Tensor
     """
     import copy
 
-    from ucl.engine import CheckpointManager
-    from ucl.policy import DeltaPolicy
+    from ucl.write.manager import CheckpointManager
+    from ucl.write.policy import DeltaPolicy
 
     torch.manual_seed(1900)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2, bias=False))
@@ -383,7 +385,7 @@ def gradient_run(path: Path, steps: int = 3) -> dict[int, dict[str, torch.Tensor
             opt.step()
             sched.step()
             state = {"model": model.state_dict(), "optim": opt.state_dict(), "seen": torch.tensor([t, 8 * t])}
-            ref[t] = names.flatten(copy.deepcopy(state))[0]
+            ref[t] = structure.flatten(copy.deepcopy(state))[0]
             mgr.save(t, state, optimizer=opt)
         mgr.wait()
     (path / ".ucl-writer.lock").unlink(missing_ok=True)  # holds the writer's pid
@@ -559,7 +561,7 @@ def build(root: Path) -> Suite:
         "sp ace": {" in": {"deep": t(14)}},
     }
     Fx(root, fx).save(nested, 5)
-    flat, _ = names.flatten(nested)
+    flat, _ = structure.flatten(nested)
     valid(
         "names",
         "names with escapes (space, UTF-8, '.', '..', '__', '%', backslash) validate",

@@ -116,7 +116,7 @@ class UclAdapter(Adapter):
 
     def list_steps(self, path: str) -> list[int]:
         from ucl.errors import UCLError
-        from ucl.repo import Repository
+        from ucl.format.repository import Repository
 
         repo = Repository.open(path)
         out = []
@@ -138,8 +138,8 @@ class UclAdapter(Adapter):
         import torch
 
         import ucl
-        from ucl import dtypes
         from ucl.errors import InvalidArgumentError
+        from ucl.format import dtypes
 
         with ucl.open(path, step) as ckpt:
             lt = ckpt[tensor]

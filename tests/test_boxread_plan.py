@@ -11,9 +11,11 @@ import pytest
 import torch
 
 import ucl
-from ucl.metadata import StepMeta
-from ucl.repo import Repository
-from ucl.writer import StepWriter, all_shards, array_for, shard_block
+from ucl.format import structure
+from ucl.format.metadata import StepMeta
+from ucl.format.repository import Repository
+from ucl.plan.save import all_shards, array_for, shard_block
+from ucl.write.step import StepWriter
 
 
 def _write(path: Path, tensors: dict[str, torch.Tensor], chunk: dict[str, tuple[int, ...]],
@@ -31,9 +33,9 @@ def _write(path: Path, tensors: dict[str, torch.Tensor], chunk: dict[str, tuple[
 
 
 def _step_meta(tensors: dict[str, torch.Tensor], arrays: dict) -> StepMeta:
-    from ucl import names
+    from ucl.format import names
 
-    _, tree = names.flatten(dict(tensors))
+    _, tree = structure.flatten(dict(tensors))
     return StepMeta(step=0, kind="full", tree=tree, arrays=arrays)
 
 
@@ -75,9 +77,9 @@ def test_random_boxes(tmp_path: Path, compression: dict | None) -> None:
 @pytest.mark.parametrize("direct", [False, True])
 def test_swapped_shards_fail_whole_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: int,
                                          direct: bool) -> None:
-    from ucl import boxread
     from ucl.errors import ChecksumError
-    from ucl.repo import step_prefix
+    from ucl.format.repository import step_prefix
+    from ucl.read import boxes as boxread
 
     if direct:
         monkeypatch.setattr(boxread, "DIRECT_MIN_BYTES", 0)

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 import ucl
-from ucl.cli import main
-from ucl.gc import compact, gc
-from ucl.progress import Progress
-from ucl.repo import Repository
-from ucl.writer import StepWriter, all_shards, array_for, shard_block
+from ucl.format.repository import Repository
+from ucl.plan.save import all_shards, array_for, shard_block
+from ucl.tools.cli import main
+from ucl.tools.gc import compact, gc
+from ucl.tools.progress import Progress
+from ucl.write.step import StepWriter
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -117,7 +118,7 @@ def test_invalid_and_missing_exit_1(capsys, repo, tmp_path) -> None:
 
 # -- diff ------------------------------------------------------------------------------------------
 def test_diff_statistics(tmp_path) -> None:
-    from ucl.diff import diff_steps
+    from ucl.tools.diff import diff_steps
 
     a = {"w": torch.tensor([1.0, 2.0, 3.0, 4.0]), "z": torch.tensor([0.0, 1.0]), "n": torch.tensor([1.0, 2.0]),
          "i": torch.arange(6, dtype=torch.int32).reshape(2, 3), "s": torch.tensor(2.5), "gone": torch.ones(1),
@@ -208,7 +209,7 @@ def test_gc_deletes_only_what_no_commit_record_references(capsys, repo) -> None:
 
 
 def test_gc_grace_and_corrupt_records_and_writer_lock(capsys, repo) -> None:
-    from ucl.engine import _WriterLock
+    from ucl.format.lock import WriterLock
 
     litter(repo)
     report = gc(repo, now=time.time() + 7200)  # two hours later, the default grace has passed
@@ -218,7 +219,7 @@ def test_gc_grace_and_corrupt_records_and_writer_lock(capsys, repo) -> None:
     report = gc(repo, grace=0)
     assert report.deleted == [] and report.kept == [
         {"key": "steps/2", "reason": "commit record unreadable (corrupt_commit_record): left alone"}]
-    lock = _WriterLock.acquire(Repository.open(repo))
+    lock = WriterLock.acquire(Repository.open(repo))
     try:
         rc, _, err = run(capsys, "gc", str(repo))
         assert rc == 1 and err.startswith("ucl gc: error [writer_locked]: another writer holds ")
@@ -341,18 +342,18 @@ def test_progress_draws_only_on_a_terminal() -> None:
 def _engine_writes_deltas() -> bool:
     import inspect
 
-    from ucl.engine import CheckpointManager
+    from ucl.write.manager import CheckpointManager
 
     return "delta" in inspect.signature(CheckpointManager).parameters
 
 
 @pytest.mark.skipif(not _engine_writes_deltas(), reason="the engine does not write delta steps yet")
 def test_compact_a_real_delta_step_keeps_its_children_valid(capsys, tmp_path) -> None:
-    from ucl.engine import CheckpointManager
+    from ucl.write.manager import CheckpointManager
 
     g = torch.Generator().manual_seed(0)
     s = {"w": torch.randn(256, 64, generator=g), "frozen": torch.randn(10, generator=g), "n": 0}
-    from ucl.policy import DeltaPolicy
+    from ucl.write.policy import DeltaPolicy
 
     with CheckpointManager(tmp_path / "d", delta=DeltaPolicy(base="previous")) as mgr:  # a chain 3 -> 2 -> 1 -> 0
         for step in range(4):

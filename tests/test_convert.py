@@ -1,4 +1,4 @@
-"""ucl.convert: safetensors (single, directory, Hugging Face sharded), torch.save and DCP imports; export."""
+"""ucl.tools.convert: safetensors (single, directory, Hugging Face sharded), torch.save and DCP imports; export."""
 
 from __future__ import annotations
 
@@ -13,8 +13,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import ucl
-from ucl.convert import export_safetensors, import_checkpoint, parse_size, read_dcp_metadata, source_kind
 from ucl.errors import CheckpointNotFoundError, InvalidArgumentError, StepExistsError
+from ucl.tools.convert import (
+    export_safetensors,
+    import_checkpoint,
+    parse_size,
+    read_dcp_metadata,
+    source_kind,
+)
 
 HF_FILES = [["model.embed.weight", "model.layers.0.attn.w"],
             ["model.layers.0.mlp.w", "model.layers.1.attn.w", "lm_head.weight"],

@@ -1,4 +1,4 @@
-"""ucl.dcp: torch.distributed.checkpoint save/load through ucl steps, resharding, no pickle in the files."""
+"""ucl.adapters.dcp: torch.distributed.checkpoint save/load through ucl steps, resharding, no pickle in the files."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 import ucl
-import ucl.dcp
+import ucl.adapters.dcp
 from ucl.errors import InvalidArgumentError, StepExistsError
 from ucl.testing import dist
 
@@ -69,33 +69,33 @@ def no_pickle_in(path: os.PathLike[str] | str) -> None:
 
 # -- pure planning ---------------------------------------------------------------------------------
 def test_chunk_grid_of_torch_chunk_boxes_is_one_shard_per_box() -> None:
-    assert ucl.dcp.chunk_grid("w", (10, 6), [((0, 0), (4, 6)), ((4, 0), (4, 6)), ((8, 0), (2, 6))]) == (4, 6)
-    assert ucl.dcp.chunk_grid("w", (8, 6), [((0, 0), (8, 3)), ((0, 3), (8, 3))]) == (8, 3)
+    assert ucl.adapters.dcp.chunk_grid("w", (10, 6), [((0, 0), (4, 6)), ((4, 0), (4, 6)), ((8, 0), (2, 6))]) == (4, 6)
+    assert ucl.adapters.dcp.chunk_grid("w", (8, 6), [((0, 0), (8, 3)), ((0, 3), (8, 3))]) == (8, 3)
     boxes = [((r, c), (4, 3)) for r in (0, 4) for c in (0, 3)]
-    assert ucl.dcp.chunk_grid("w", (8, 6), boxes) == (4, 3)
-    assert ucl.dcp.chunk_grid("s", (), [((), ())]) == ()
-    assert ucl.dcp.chunk_grid("e", (0, 4), [((0, 0), (0, 4))]) == (1, 4)
-    assert ucl.dcp.chunk_grid("w", (3,), [((0,), (1,)), ((1,), (1,)), ((2,), (1,)), ((3,), (0,))]) == (1,)
+    assert ucl.adapters.dcp.chunk_grid("w", (8, 6), boxes) == (4, 3)
+    assert ucl.adapters.dcp.chunk_grid("s", (), [((), ())]) == ()
+    assert ucl.adapters.dcp.chunk_grid("e", (0, 4), [((0, 0), (0, 4))]) == (1, 4)
+    assert ucl.adapters.dcp.chunk_grid("w", (3,), [((0,), (1,)), ((1,), (1,)), ((2,), (1,)), ((3,), (0,))]) == (1,)
 
 
 def test_chunk_grid_refines_irregular_boxes() -> None:
-    assert ucl.dcp.chunk_grid("w", (10, 4), [((0, 0), (3, 4)), ((3, 0), (7, 4))]) == (3, 4)
-    assert ucl.dcp.chunk_grid("w", (10,), [((0,), (4,)), ((4,), (6,))]) == (4,)  # [4, 10) is cells 1 and 2
+    assert ucl.adapters.dcp.chunk_grid("w", (10, 4), [((0, 0), (3, 4)), ((3, 0), (7, 4))]) == (3, 4)
+    assert ucl.adapters.dcp.chunk_grid("w", (10,), [((0,), (4,)), ((4,), (6,))]) == (4,)  # [4, 10) is cells 1 and 2
 
 
 def test_chunk_grid_refuses_holes_overlaps_and_too_fine_grids() -> None:
     with pytest.raises(InvalidArgumentError, match="cover 1 of the 2 cells"):
-        ucl.dcp.chunk_grid("w", (10,), [((0,), (5,))])
+        ucl.adapters.dcp.chunk_grid("w", (10,), [((0,), (5,))])
     with pytest.raises(InvalidArgumentError, match="overlap at grid cell"):
-        ucl.dcp.chunk_grid("w", (10,), [((0,), (6,)), ((4,), (6,))])
+        ucl.adapters.dcp.chunk_grid("w", (10,), [((0,), (6,)), ((4,), (6,))])
     with pytest.raises(InvalidArgumentError, match="would take 100003 shard files"):
-        ucl.dcp.chunk_grid("w", (100003,), [((0,), (1,)), ((1,), (100002,))])
+        ucl.adapters.dcp.chunk_grid("w", (100003,), [((0,), (1,)), ((1,), (100002,))])
     with pytest.raises(InvalidArgumentError, match="outside its shape"):
-        ucl.dcp.chunk_grid("w", (4,), [((2,), (4,))])
+        ucl.adapters.dcp.chunk_grid("w", (4,), [((2,), (4,))])
 
 
 def test_tree_from_paths_matches_dcp_set_element() -> None:
-    tree = ucl.dcp.tree_from_paths({("a", "x"): {"t": "tensor", "name": "a/x"}, ("l", 2): {"t": "value", "v": 1}})
+    tree = ucl.adapters.dcp.tree_from_paths({("a", "x"): {"t": "tensor", "name": "a/x"}, ("l", 2): {"t": "value", "v": 1}})
     assert tree == {"t": "dict", "items": [
         ["a", {"t": "dict", "items": [["x", {"t": "tensor", "name": "a/x"}]]}],
         ["l", {"t": "list", "items": [{"t": "value", "v": None}, {"t": "value", "v": None}, {"t": "value", "v": 1}]}]]}
@@ -104,7 +104,7 @@ def test_tree_from_paths_matches_dcp_set_element() -> None:
 # -- one process -----------------------------------------------------------------------------------
 def test_single_process_round_trip_is_a_valid_ucl_step(tmp_path) -> None:
     state = full_state()
-    dcp.save(state, storage_writer=ucl.dcp.Writer(tmp_path, step=3))
+    dcp.save(state, storage_writer=ucl.adapters.dcp.Writer(tmp_path, step=3))
     assert ucl.Repository.open(tmp_path).steps() == [3]
     assert ucl.validate(tmp_path).ok
     no_pickle_in(tmp_path)
@@ -117,7 +117,7 @@ def test_single_process_round_trip_is_a_valid_ucl_step(tmp_path) -> None:
     assert_same(state["model"], got["model"])
     target = zeros_like_state(state)  # DCP loads into a state of the same structure
     assert target["optim"]["param_groups"][0]["lr"] == 0.0
-    dcp.load(target, storage_reader=ucl.dcp.Reader(tmp_path))
+    dcp.load(target, storage_reader=ucl.adapters.dcp.Reader(tmp_path))
     assert_same(state, target)
 
 
@@ -126,13 +126,13 @@ def test_tensorstore_reads_a_dcp_written_step_as_plain_arrays(tmp_path) -> None:
     import tensorstore as ts
 
     state = full_state()
-    dcp.save(state, storage_writer=ucl.dcp.Writer(tmp_path, step=0))
+    dcp.save(state, storage_writer=ucl.adapters.dcp.Writer(tmp_path, step=0))
     a = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{tmp_path}/steps/0/model/w"}}).result()
     assert np.array_equal(a.read().result(), state["model"]["w"].numpy())
 
 
 def test_reads_steps_written_by_ucl_save_and_the_engine(tmp_path) -> None:
-    from ucl.engine import CheckpointManager
+    from ucl.write.manager import CheckpointManager
 
     state = full_state(1)
     ucl.save(state, tmp_path / "ref", step=5)
@@ -140,7 +140,7 @@ def test_reads_steps_written_by_ucl_save_and_the_engine(tmp_path) -> None:
         mgr.save(9, state).result()
     for path in (tmp_path / "ref", tmp_path / "eng"):
         target = zeros_like_state(state)
-        dcp.load(target, storage_reader=ucl.dcp.Reader(path))
+        dcp.load(target, storage_reader=ucl.adapters.dcp.Reader(path))
         assert_same(state, target)
 
 
@@ -149,10 +149,10 @@ def test_partial_and_resharded_reads_serve_only_the_asked_boxes(tmp_path) -> Non
     ucl.save({"w": w}, tmp_path, step=0)
     # a DCP load whose destination is a non-contiguous column block of a bigger tensor
     dest = torch.zeros(48, 64).t()  # non-contiguous (64, 48) view
-    dcp.load({"w": dest}, storage_reader=ucl.dcp.Reader(tmp_path))
+    dcp.load({"w": dest}, storage_reader=ucl.adapters.dcp.Reader(tmp_path))
     assert torch.equal(dest, w)
     dest16 = {"w": torch.zeros(64, 48, dtype=torch.float64)}  # converted on copy, as DCP's own reader does
-    dcp.load(dest16, storage_reader=ucl.dcp.Reader(tmp_path))
+    dcp.load(dest16, storage_reader=ucl.adapters.dcp.Reader(tmp_path))
     assert torch.equal(dest16["w"], w.double())
 
 
@@ -185,7 +185,7 @@ class IrregularPlanner(DefaultSavePlanner):
 
 def test_irregular_pieces_are_split_into_a_regular_grid(tmp_path) -> None:
     w = torch.randn(10, 4)
-    dcp.save({"w": w}, storage_writer=ucl.dcp.Writer(tmp_path, step=0), planner=IrregularPlanner())
+    dcp.save({"w": w}, storage_writer=ucl.adapters.dcp.Writer(tmp_path, step=0), planner=IrregularPlanner())
     with ucl.open(tmp_path) as ckpt:
         assert ckpt["w"].meta.chunk_shape == (3, 4)
         assert torch.equal(ckpt["w"][:], w)
@@ -194,21 +194,21 @@ def test_irregular_pieces_are_split_into_a_regular_grid(tmp_path) -> None:
 
 def test_values_that_are_not_json_are_refused_and_nothing_commits(tmp_path) -> None:
     with pytest.raises(BaseException, match=r"DCP value 'cfg' cannot be stored: state dict value at 'v' is a set"):
-        dcp.save({"w": torch.ones(2), "cfg": {1, 2}}, storage_writer=ucl.dcp.Writer(tmp_path, step=0))
+        dcp.save({"w": torch.ones(2), "cfg": {1, 2}}, storage_writer=ucl.adapters.dcp.Writer(tmp_path, step=0))
     assert ucl.Repository.open(tmp_path).steps() == []
     with pytest.raises(BaseException, match="is a tuple holding tensors, which DCP would pickle"):
-        dcp.save({"pair": (torch.ones(2), 1)}, storage_writer=ucl.dcp.Writer(tmp_path, step=0))
+        dcp.save({"pair": (torch.ones(2), 1)}, storage_writer=ucl.adapters.dcp.Writer(tmp_path, step=0))
 
 
 def test_committed_steps_are_never_overwritten_and_step_none_appends(tmp_path) -> None:
-    dcp.save({"w": torch.ones(2)}, storage_writer=ucl.dcp.Writer(tmp_path, step=0))
+    dcp.save({"w": torch.ones(2)}, storage_writer=ucl.adapters.dcp.Writer(tmp_path, step=0))
     with pytest.raises(BaseException, match="step 0 is already committed") as e:
-        dcp.save({"w": torch.zeros(2)}, storage_writer=ucl.dcp.Writer(tmp_path, step=0))
+        dcp.save({"w": torch.zeros(2)}, storage_writer=ucl.adapters.dcp.Writer(tmp_path, step=0))
     assert any(isinstance(x, StepExistsError) for x in _causes(e.value))
-    dcp.save({"w": torch.full((2,), 2.0)}, storage_writer=ucl.dcp.Writer(tmp_path))
+    dcp.save({"w": torch.full((2,), 2.0)}, storage_writer=ucl.adapters.dcp.Writer(tmp_path))
     assert ucl.Repository.open(tmp_path).steps() == [0, 1]
     t = {"w": torch.zeros(2)}
-    dcp.load(t, storage_reader=ucl.dcp.Reader(tmp_path, step=0))
+    dcp.load(t, storage_reader=ucl.adapters.dcp.Reader(tmp_path, step=0))
     assert torch.equal(t["w"], torch.ones(2))
 
 
@@ -223,12 +223,12 @@ def _causes(e: BaseException) -> list[BaseException]:
 def test_missing_tensor_and_checkpoint_id(tmp_path) -> None:
     ucl.save({"w": torch.ones(3)}, tmp_path / "a", step=2)
     t = {"w": torch.zeros(3)}
-    dcp.load(t, checkpoint_id=str(tmp_path / "a"), storage_reader=ucl.dcp.Reader("/nonexistent"))
+    dcp.load(t, checkpoint_id=str(tmp_path / "a"), storage_reader=ucl.adapters.dcp.Reader("/nonexistent"))
     assert torch.equal(t["w"], torch.ones(3))
     with pytest.raises(BaseException, match="Missing key in checkpoint state_dict: v"):
-        dcp.load({"v": torch.zeros(3)}, storage_reader=ucl.dcp.Reader(tmp_path / "a"))
-    assert ucl.dcp.Reader.validate_checkpoint_id(str(tmp_path / "a"))
-    assert not ucl.dcp.Reader.validate_checkpoint_id(str(tmp_path / "nope"))
+        dcp.load({"v": torch.zeros(3)}, storage_reader=ucl.adapters.dcp.Reader(tmp_path / "a"))
+    assert ucl.adapters.dcp.Reader.validate_checkpoint_id(str(tmp_path / "a"))
+    assert not ucl.adapters.dcp.Reader.validate_checkpoint_id(str(tmp_path / "nope"))
 
 
 # -- two processes (gloo) --------------------------------------------------------------------------
@@ -244,10 +244,10 @@ def sharded_save_then_reshard(rank: int, world: int, path: str) -> dict[str, Any
     full = full_state(7)
     state = {"model": {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full["model"].items()},
              "step": full["step"], "lr": 0.5}
-    dcp.save(state, storage_writer=ucl.dcp.Writer(path, step=1))
+    dcp.save(state, storage_writer=ucl.adapters.dcp.Writer(path, step=1))
     target = {"model": {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(v.dim() - 1)])
                         for k, v in full["model"].items()}, "step": 0, "lr": 0.0}
-    dcp.load(target, storage_reader=ucl.dcp.Reader(path))
+    dcp.load(target, storage_reader=ucl.adapters.dcp.Reader(path))
     same = {k: bool(torch.equal(target["model"][k].full_tensor(), v)) for k, v in full["model"].items()}
     local = {k: list(target["model"][k].to_local().shape) for k in full["model"]}
     return {"rank": rank, "same": same, "local": local, "step": target["step"], "lr": target["lr"]}
@@ -270,7 +270,7 @@ def test_two_process_dtensor_save_loads_with_other_sharding(tmp_path) -> None:
     # and replicated, in this single process
     full = full_state(7)
     target = {"model": {k: torch.zeros_like(v) for k, v in full["model"].items()}, "step": 0, "lr": 0.0}
-    dcp.load(target, storage_reader=ucl.dcp.Reader(tmp_path))
+    dcp.load(target, storage_reader=ucl.adapters.dcp.Reader(tmp_path))
     assert_same(full["model"], target["model"])
     assert target["step"] == 17 and target["lr"] == 0.5
 
@@ -278,7 +278,7 @@ def test_two_process_dtensor_save_loads_with_other_sharding(tmp_path) -> None:
 def test_loads_a_delta_step_written_by_the_engine(tmp_path) -> None:
     import inspect
 
-    from ucl.engine import CheckpointManager
+    from ucl.write.manager import CheckpointManager
 
     if "delta" not in inspect.signature(CheckpointManager).parameters:
         pytest.skip("the engine does not write delta steps yet")
@@ -288,7 +288,7 @@ def test_loads_a_delta_step_written_by_the_engine(tmp_path) -> None:
         s["model"]["w"][3] += 1
         mgr.save(1, s).result()
     target = zeros_like_state(s)
-    dcp.load(target, storage_reader=ucl.dcp.Reader(tmp_path, step=1))
+    dcp.load(target, storage_reader=ucl.adapters.dcp.Reader(tmp_path, step=1))
     assert_same(s, target)
 
 
@@ -297,7 +297,7 @@ def test_metadata_alone_rebuilds_the_state(tmp_path) -> None:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     ucl.save({"model": {"w": torch.ones(2, 3)}, "opt": {"pg": [{"lr": 0.1, "params": [0]}]}, "n": 4}, tmp_path, step=0)
-    sd = _load_state_dict_from_keys(storage_reader=ucl.dcp.Reader(tmp_path))
+    sd = _load_state_dict_from_keys(storage_reader=ucl.adapters.dcp.Reader(tmp_path))
     assert torch.equal(sd["model"]["w"], torch.ones(2, 3))
     assert sd["opt"] == {"pg": [{"lr": 0.1, "params": [0]}]} and sd["n"] == 4
 
@@ -306,8 +306,8 @@ def test_metadata_alone_rebuilds_the_state(tmp_path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensors_save_and_load(tmp_path) -> None:
     s = {"w": torch.randn(300, 70, device="cuda"), "h": torch.randn(9, device="cuda").half(), "n": 1}
-    dcp.save(s, storage_writer=ucl.dcp.Writer(tmp_path, step=0))
+    dcp.save(s, storage_writer=ucl.adapters.dcp.Writer(tmp_path, step=0))
     target = {"w": torch.zeros(300, 70, device="cuda"), "h": torch.zeros(9, device="cuda").half(), "n": 0}
-    dcp.load(target, storage_reader=ucl.dcp.Reader(tmp_path))
+    dcp.load(target, storage_reader=ucl.adapters.dcp.Reader(tmp_path))
     assert torch.equal(target["w"], s["w"]) and torch.equal(target["h"], s["h"]) and target["n"] == 1
     assert torch.equal(ucl.load(tmp_path)["w"], s["w"].cpu())

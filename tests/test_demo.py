@@ -1,17 +1,20 @@
-"""The demo (python -m ucl.demo) runs end to end on the tiny model and says what it checked."""
+"""The demo (examples/demo.py, which ./dev demo runs) runs end to end on the tiny model and says what it checked."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
-import ucl.demo
+from examples import demo as demo_module
+
+DEMO = Path(demo_module.__file__)
 
 
 def test_demo_runs_and_every_check_passes(tmp_path) -> None:  # type: ignore[no-untyped-def]
     out_dir = tmp_path / "demo"
-    cmd = [sys.executable, "-m", "ucl.demo", "--preset", "tiny", "--steps", "3", "--crash-after", "1",
+    cmd = [sys.executable, str(DEMO), "--preset", "tiny", "--steps", "3", "--crash-after", "1",
            "--resume-steps", "1", "--dir", str(out_dir)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONWARNINGS": "error"})
@@ -40,12 +43,12 @@ def test_demo_runs_and_every_check_passes(tmp_path) -> None:  # type: ignore[no-
 
 def test_demo_refuses_a_directory_it_did_not_write(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     (tmp_path / "precious.txt").write_text("keep me")
-    assert ucl.demo.main(["--dir", str(tmp_path), "--preset", "tiny"]) == 2
+    assert demo_module.main(["--dir", str(tmp_path), "--preset", "tiny"]) == 2
     assert (tmp_path / "precious.txt").read_text() == "keep me"
     assert "not a previous demo output" in capsys.readouterr().err
 
 
 def test_acts_are_hooks() -> None:
-    names = [n for n, _ in ucl.demo.ACTS]
+    names = [n for n, _ in demo_module.ACTS]
     assert names[:6] == ["train", "crash", "resume", "lazy_read", "validate", "native"]
-    assert all(callable(f) for _, f in ucl.demo.ACTS)
+    assert all(callable(f) for _, f in demo_module.ACTS)

@@ -1,7 +1,7 @@
 """The snippets of docs/dcp.md and docs/cli.md run as written.
 
 Every ```python block runs, in order, in one namespace, in an empty directory; every ```sh block whose
-first command starts with ``ucl `` runs each ``ucl ...`` line through :func:`ucl.cli.main` and checks its
+first command starts with ``ucl `` runs each ``ucl ...`` line through :func:`ucl.tools.cli.main` and checks its
 exit status (0, or the ``# exit N`` the line ends with). A block preceded by ``<!-- skip: why -->`` is
 not run.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ucl.cli import main
+from ucl.tools.cli import main
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 FENCE = re.compile(r"(?P<skip><!-- skip:[^>]*-->\n)?```(?P<lang>\w*)\n(?P<body>.*?)\n```", re.S)

@@ -1,4 +1,4 @@
-"""The C write engine through ucl._native: bytes and checksums on disk, errors, faults, the GIL, close."""
+"""The C write engine through ucl.io.native: bytes and checksums on disk, errors, faults, the GIL, close."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from ucl import _engine
-from ucl._native import FileWriter, crc32c, fsync_dir, inject_fault
 from ucl.errors import InvalidArgumentError, UCLError, WriteError
+from ucl.io.native import FileWriter, crc32c, fsync_dir, inject_fault
 
 try:
     from google_crc32c import value as reference_crc32c

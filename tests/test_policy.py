@@ -1,4 +1,4 @@
-"""ucl.policy: Young/Daly checkpoint intervals from measured costs, and full-vs-delta decisions."""
+"""ucl.write.policy: Young/Daly checkpoint intervals from measured costs, and full-vs-delta decisions."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ucl.errors import InvalidArgumentError
-from ucl.policy import AdaptiveInterval, DeltaPolicy, daly_interval, young_interval
+from ucl.write.policy import AdaptiveInterval, DeltaPolicy, daly_interval, young_interval
 
 
 def test_young_and_daly_formulas() -> None:

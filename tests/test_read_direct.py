@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import ucl
-import ucl.shard
-from ucl import boxread
+import ucl.format.shardfile
 from ucl.errors import ChecksumError, ShardSizeError
+from ucl.read import boxes as boxread
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -39,7 +39,7 @@ def _drop(root: Path) -> None:
 
 @pytest.fixture()
 def saved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[str, torch.Tensor]]:
-    monkeypatch.setattr(ucl.shard, "INNER_TARGET_BYTES", 300_000)
+    monkeypatch.setattr(ucl.format.shardfile, "INNER_TARGET_BYTES", 300_000)
     st = _state()
     ucl.save({k: v for k, v in st.items() if k != "z"}, tmp_path / "r", step=0)
     ucl.save({"z": st["z"]}, tmp_path / "rz", step=0, compression="zstd")
@@ -175,17 +175,17 @@ def test_small_shards_are_read_with_their_index_once(saved) -> None:  # type: ig
 def test_an_absent_chunk_is_an_error_on_every_path(tmp_path, monkeypatch, index) -> None:  # type: ignore[no-untyped-def]
     import numpy as np
 
-    from ucl import _native
     from ucl.errors import CorruptShardIndexError
+    from ucl.io import native as _native
 
-    monkeypatch.setattr(ucl.shard, "INNER_TARGET_BYTES", 64 << 10)
+    monkeypatch.setattr(ucl.format.shardfile, "INNER_TARGET_BYTES", 64 << 10)
     t = torch.randn(1024, 256)  # 16 inner chunks of 64 rows: whole rows (bulk plan) or a column box
     ucl.save({"t": t}, tmp_path, step=0)
     shard = tmp_path / "steps" / "0" / "t" / "c" / "0" / "0"
     data = bytearray(shard.read_bytes())
     n = 16 * 16 + 4
     idx = np.frombuffer(bytes(data[-n:-4]), dtype="<u8").reshape(16, 2).copy()
-    idx[5] = ucl.shard.EMPTY
+    idx[5] = ucl.format.shardfile.EMPTY
     body = idx.tobytes()
     data[-n:] = body + _native.crc32c(body).to_bytes(4, "little")
     shard.write_bytes(bytes(data))

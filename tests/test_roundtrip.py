@@ -17,7 +17,7 @@ from ucl.errors import (
     StepExistsError,
     TensorNotFoundError,
 )
-from ucl.names import flatten
+from ucl.format.structure import flatten
 
 
 def odd_state() -> dict[str, object]:
@@ -89,9 +89,9 @@ def test_slices_match_torch(tmp_path, index) -> None:
 
 
 def test_partial_read_reads_only_needed_chunks(tmp_path, monkeypatch) -> None:
-    import ucl.shard
+    import ucl.format.shardfile
 
-    monkeypatch.setattr(ucl.shard, "INNER_TARGET_BYTES", 64 << 10)  # 64 KiB inner chunks
+    monkeypatch.setattr(ucl.format.shardfile, "INNER_TARGET_BYTES", 64 << 10)  # 64 KiB inner chunks
     t = torch.randn(1024, 256)  # 1 MiB, 16 inner chunks of 64 rows
     ucl.save({"t": t}, tmp_path, step=0)
     ckpt = ucl.open(tmp_path)

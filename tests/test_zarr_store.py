@@ -1,4 +1,4 @@
-"""ucl.zarr_store: a committed step as a plain Zarr v3 hierarchy, checked by zarr-python's own store
+"""ucl.adapters.zarr_store: a committed step as a plain Zarr v3 hierarchy, checked by zarr-python's own store
 suite (StoreTests), zarr-python, tensorstore over HTTP, and our own tests of what a view must do."""
 
 from __future__ import annotations
@@ -21,18 +21,14 @@ from zarr.core.sync import _collect_aiterator, sync
 from zarr.testing.store import StoreTests
 
 import ucl
-import ucl.zarr_store
-from ucl import names
-from ucl.errors import (
-    CheckpointNotFoundError,
-    ChecksumError,
-    InvalidArgumentError,
-    MissingShardError,
-)
-from ucl.metadata import StepMeta
-from ucl.repo import Repository
-from ucl.writer import StepWriter, all_shards, array_for, shard_block
-from ucl.zarr_store import ZarrStore
+import ucl.adapters.zarr_store
+from ucl.adapters.zarr_store import ZarrStore
+from ucl.errors import CheckpointNotFoundError, ChecksumError, InvalidArgumentError, MissingShardError
+from ucl.format import names, structure
+from ucl.format.metadata import StepMeta
+from ucl.format.repository import Repository
+from ucl.plan.save import all_shards, array_for, shard_block
+from ucl.write.step import StepWriter
 
 RO = "store was opened in read-only mode and does not support writing"
 
@@ -53,7 +49,7 @@ def write_step(
     path, step: int, flat: dict[str, torch.Tensor], chunks: dict[str, tuple[int, ...]] | None = None
 ) -> None:
     """Commit ``flat`` ({"a/b": tensor}) as a full step, each tensor in shards of ``chunks[name]``."""
-    tensors, tree = names.flatten(nest(flat))
+    tensors, tree = structure.flatten(nest(flat))
     arrays = {n: array_for(n, t, chunk_shape=(chunks or {}).get(n)) for n, t in tensors.items()}
     w = StepWriter(Repository.open(path, create=True), step)
     w.begin()
@@ -104,10 +100,10 @@ def every_dtype() -> dict[str, torch.Tensor]:
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Small inner chunks (ucl) and no growth of small chunks (the view), so tiny tensors have many."""
-    import ucl.shard
+    import ucl.format.shardfile
 
-    monkeypatch.setattr(ucl.shard, "INNER_TARGET_BYTES", 256)
-    monkeypatch.setattr(ucl.zarr_store, "MIN_CHUNK_BYTES", 1)
+    monkeypatch.setattr(ucl.format.shardfile, "INNER_TARGET_BYTES", 256)
+    monkeypatch.setattr(ucl.adapters.zarr_store, "MIN_CHUNK_BYTES", 1)
 
 
 # -- zarr-python's own store suite --------------------------------------------------------------------
@@ -353,14 +349,11 @@ class TestZarrStoreSuite(StoreTests[ZarrStore, cpu.Buffer]):
 
 
 # -- the view ---------------------------------------------------------------------------------------
-def test_module_is_callable_and_exported(tmp_path) -> None:
+def test_zarr_store_is_exported(tmp_path) -> None:
     write_step(tmp_path, 3, {"w": torch.arange(6.0)})
-    assert "zarr_store" in ucl.__all__
-    from ucl import zarr_store
-
-    assert zarr_store is ucl.zarr_store and callable(zarr_store)
+    assert "zarr_store" in ucl.__all__ and callable(ucl.zarr_store)
     assert isinstance(ucl.zarr_store(tmp_path), ZarrStore)
-    assert callable(ucl.zarr_store.serve_http)
+    assert callable(ucl.adapters.zarr_store.serve_http)
 
 
 def test_every_dtype_reads_bit_exactly_through_zarr(tmp_path) -> None:
@@ -446,10 +439,10 @@ def test_edge_chunks_are_full_size_and_zero_padded(tmp_path, small_chunks) -> No
 
 
 def test_partial_reads_fetch_only_needed_chunks(tmp_path, monkeypatch) -> None:
-    import ucl.shard
+    import ucl.format.shardfile
 
-    monkeypatch.setattr(ucl.shard, "INNER_TARGET_BYTES", 64 << 10)
-    monkeypatch.setattr(ucl.zarr_store, "MIN_CHUNK_BYTES", 64 << 10)
+    monkeypatch.setattr(ucl.format.shardfile, "INNER_TARGET_BYTES", 64 << 10)
+    monkeypatch.setattr(ucl.adapters.zarr_store, "MIN_CHUNK_BYTES", 64 << 10)
     t = torch.randn(1024, 256)  # 1 MiB: 16 inner chunks of 64 rows
     write_step(tmp_path, 0, {"t": t, "other": torch.randn(256, 256)})
     store = ucl.zarr_store(tmp_path)
@@ -667,7 +660,7 @@ def test_tensorstore_reads_the_view_over_http(tmp_path, small_chunks) -> None:
         "flag": torch.tensor([True, False, True]),
     }
     write_step(tmp_path, 2, state, chunks={"model/w": (4, 7)})
-    with ucl.zarr_store.serve_http(tmp_path, host="127.0.0.1", port=0) as srv:
+    with ucl.adapters.zarr_store.serve_http(tmp_path, host="127.0.0.1", port=0) as srv:
         assert srv.url.startswith("http://127.0.0.1:")
         for name, t in state.items():
             arr = ts.open(
@@ -697,7 +690,7 @@ def test_http_server_ranges_head_and_errors(tmp_path) -> None:
         except urllib.error.HTTPError as e:
             return e.code, e.read(), dict(e.headers)
 
-    with ucl.zarr_store.serve_http(store) as srv:
+    with ucl.adapters.zarr_store.serve_http(store) as srv:
         u = f"{srv.url}/t/c/0"
         assert fetch(u)[:2] == (200, bytes(range(16)))
         code, body, headers = fetch(u, Range="bytes=2-4")

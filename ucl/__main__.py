@@ -1,5 +1,5 @@
 import sys
 
-from ucl.cli import main
+from ucl.tools.cli import main
 
 sys.exit(main())

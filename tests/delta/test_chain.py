@@ -11,17 +11,16 @@ from hypothesis import strategies as st
 
 from ucl.delta import (
     ArrayInfo,
-    DeltaRecord,
     StepInfo,
     bit_view,
-    choose_encoding,
     encode_chunk,
     reconstruct_inner,
     resolve_array_chain,
     resolve_chain,
 )
 from ucl.errors import ChecksumError, DeltaChainError, LimitExceededError, StepNotCommittedError
-from ucl.policy import DeltaPolicy
+from ucl.format.records import DeltaRecord, choose_encoding
+from ucl.write.policy import DeltaPolicy
 
 from .strategies import DTYPES, HOW, arrays, perturb
 

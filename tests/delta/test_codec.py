@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from ucl.delta import (
     MODE_FULL,
     bit_view,
-    choose_encoding,
     decode_chunk,
     encode_chunk,
     encode_chunk_into,
@@ -21,6 +20,7 @@ from ucl.delta import (
     payload_mode,
 )
 from ucl.errors import DeltaChainError, FormatError, InvalidArgumentError
+from ucl.format.records import choose_encoding
 
 from .strategies import DTYPES, HOW, arrays, perturb
 

@@ -10,9 +10,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 import ucl
-from ucl.engine import CheckpointManager
 from ucl.errors import DeltaChainError
-from ucl.policy import DeltaPolicy
+from ucl.write.manager import CheckpointManager
+from ucl.write.policy import DeltaPolicy
 
 SPECIALS = [float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e-45, -1e-40, 3.4e38]
 

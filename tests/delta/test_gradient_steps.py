@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import ucl
-from ucl import names
 from ucl.delta.gradients import ReplayWarning
-from ucl.engine import CheckpointManager
 from ucl.errors import InvalidArgumentError, UnknownExtensionError
-from ucl.gc import compact
-from ucl.policy import DeltaPolicy
+from ucl.format import names, structure
+from ucl.tools.gc import compact
+from ucl.write.manager import CheckpointManager
+from ucl.write.policy import DeltaPolicy
 
 
 def model_and_optimizer(kind: str) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
@@ -57,8 +57,8 @@ def state_of(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> d
 
 
 def assert_same(got: Any, want: Any, where: str) -> None:
-    g, gt = names.flatten(got)
-    w, wt = names.flatten(want)
+    g, gt = structure.flatten(got)
+    w, wt = structure.flatten(want)
     assert gt == wt, f"{where}: structure or JSON values differ"
     assert set(g) == set(w), f"{where}: {sorted(set(g) ^ set(w))}"
     for k in w:
@@ -224,7 +224,7 @@ def test_bad_configurations_are_refused(tmp_path: Any) -> None:
 def test_cli_info_describes_a_gradient_step(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from ucl.cli import main
+    from ucl.tools.cli import main
 
     path = str(tmp_path / "r")
     run(path, "adamw-foreach", 2, DeltaPolicy(gradients=True))
@@ -243,8 +243,8 @@ def test_a_failed_save_never_leaves_a_gradient_step_without_its_parent(tmp_path:
     import errno
     import threading
 
-    from ucl import _native
     from ucl.errors import WriteError
+    from ucl.io import native as _native
 
     path = str(tmp_path / "r")
     model, opt, sched = model_and_optimizer("adamw-foreach")

@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
-from ucl.delta import GradientRecords
 from ucl.delta.gradients import fingerprint_mismatches, optimizer_fingerprint, replay_step
 from ucl.errors import InvalidArgumentError
+from ucl.format.records import GradientRecords
 
 
 def make(foreach: bool | None = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

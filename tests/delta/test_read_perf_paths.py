@@ -1,4 +1,4 @@
-"""The fast paths of reading delta steps (ucl.delta.read, ucl._delta unpack/apply): bit-exact against what
+"""The fast paths of reading delta steps (ucl.read.chain, ucl._delta unpack/apply): bit-exact against what
 was saved and against the plain algorithm (``ChainReader.read_sequential``), with the same errors.
 
 Each test runs with the reader's thresholds as shipped and with every path forced (one inner chunk per
@@ -17,15 +17,16 @@ import torch
 
 import ucl
 import ucl.delta.chain as chain_mod
-import ucl.delta.read as read_mod
-import ucl.shard
-from ucl import _delta, boxread
-from ucl.boxread import Request, StepFiles
+import ucl.format.shardfile
+import ucl.read.chain as read_mod
+from ucl import _delta
 from ucl.delta import bit_view, decode_chunk, encode_chunk
-from ucl.delta.read import ChainReader
-from ucl.engine import CheckpointManager
 from ucl.errors import DeltaChainError, UCLError
-from ucl.policy import DeltaPolicy
+from ucl.read import boxes as boxread
+from ucl.read.boxes import Request, StepFiles
+from ucl.read.chain import ChainReader
+from ucl.write.manager import CheckpointManager
+from ucl.write.policy import DeltaPolicy
 
 
 def bits(t: torch.Tensor) -> bytes:
@@ -74,8 +75,8 @@ def _write(root: Path, base: str, steps: int, inner: int = 1024) -> dict[int, di
     g = torch.Generator().manual_seed(11)
     state = _state(g)
     saved = {}
-    old = ucl.shard.INNER_TARGET_BYTES
-    ucl.shard.INNER_TARGET_BYTES = inner  # many inner chunks per shard
+    old = ucl.format.shardfile.INNER_TARGET_BYTES
+    ucl.format.shardfile.INNER_TARGET_BYTES = inner  # many inner chunks per shard
     try:
         with CheckpointManager(root, delta=DeltaPolicy(base=base)) as mgr:
             for k in range(steps):
@@ -84,7 +85,7 @@ def _write(root: Path, base: str, steps: int, inner: int = 1024) -> dict[int, di
                 _step(state, k, g)
             mgr.wait()
     finally:
-        ucl.shard.INNER_TARGET_BYTES = old
+        ucl.format.shardfile.INNER_TARGET_BYTES = old
     return saved
 
 
@@ -117,7 +118,7 @@ def _request(r: ChainReader, name: str, box: tuple[slice, ...] | None = None) ->
     else:
         start = tuple(s.start for s in box)
         shape = tuple(s.stop - s.start for s in box)
-    out = torch.full(shape, 7, dtype=ucl.dtypes.to_torch(meta.dtype))
+    out = torch.full(shape, 7, dtype=ucl.format.dtypes.to_torch(meta.dtype))
     return Request(meta, start, shape, out)
 
 
@@ -271,7 +272,7 @@ def test_damage_in_a_middle_link_raises_the_same_error(chains, paths, tmp_path, 
 
 def test_a_malformed_payload_with_a_valid_crc_is_a_format_error_naming_its_step(chains, paths,
                                                                                 tmp_path) -> None:
-    from ucl import _native
+    from ucl.io import native as _native
 
     root = _copy(chains["previous"][0], tmp_path / "repo")
     for step in (2, 4):  # the oldest is reported: decoding goes oldest first

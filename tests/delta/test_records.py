@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ucl.delta import DeltaRecord, GradientRecords, OptimizerFingerprint, parse_codec
 from ucl.errors import FormatError, SchemaError
+from ucl.format.records import DeltaRecord, GradientRecords, OptimizerFingerprint, parse_codec
 
 SCHEMA = json.loads((Path(__file__).parents[2] / "spec" / "schemas" / "delta.schema.json").read_text())
 

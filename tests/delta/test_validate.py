@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ucl.delta import DeltaRecord, validate_chain
 from ucl.errors import CheckpointNotFoundError, ChecksumError, MissingShardError, UCLError
+from ucl.format.records import DeltaRecord
+from ucl.tools.validate_chain import validate_chain
 
 
 @dataclass

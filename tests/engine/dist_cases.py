@@ -6,8 +6,9 @@ from typing import Any
 
 import torch
 
-from ucl import _native
-from ucl.engine import CheckpointManager
+from ucl.format import structure
+from ucl.io import native as _native
+from ucl.write.manager import CheckpointManager
 
 
 def replicated_state(step: int) -> dict[str, Any]:
@@ -54,8 +55,8 @@ def save_gradient_records(rank: int, world: int, path: str, steps: int) -> dict[
 
     import torch.distributed as dist
 
-    from ucl import names
-    from ucl.policy import DeltaPolicy
+    from ucl.format import names
+    from ucl.write.policy import DeltaPolicy
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
@@ -72,7 +73,7 @@ def save_gradient_records(rank: int, world: int, path: str, steps: int) -> dict[
                 p.grad /= world
             opt.step()
             st = {"model": model.state_dict(), "optim": opt.state_dict()}
-            flat, _ = names.flatten(st)
+            flat, _ = structure.flatten(st)
             digests[step] = {n: hashlib.sha256(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
                              for n, t in flat.items()}
             mgr.save(step, st, optimizer=opt)

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import ucl
-from ucl import _native
-from ucl.engine import CheckpointManager
 from ucl.errors import InvalidArgumentError, StepExistsError, WriteError, WriterLockedError
+from ucl.format import structure
+from ucl.io import native as _native
+from ucl.write.manager import CheckpointManager
 
 
 def state(seed: int = 0) -> dict[str, object]:
@@ -25,7 +26,7 @@ def state(seed: int = 0) -> dict[str, object]:
 
 
 def flat(sd: object) -> dict[str, torch.Tensor]:
-    return ucl.names.flatten(sd)[0]  # type: ignore[arg-type]
+    return ucl.format.structure.flatten(sd)[0]  # type: ignore[arg-type]
 
 
 def assert_same(a: object, b: object) -> None:
@@ -187,7 +188,7 @@ def test_many_small_tensors_fit_their_slot(tmp_path) -> None:
 
 
 def test_save_if_due_follows_the_adaptive_interval(tmp_path) -> None:
-    from ucl.policy import AdaptiveInterval
+    from ucl.write.policy import AdaptiveInterval
 
     interval = AdaptiveInterval(mtbf=3600.0, min_interval=10.0)
     saved = []
@@ -207,7 +208,7 @@ def test_save_if_due_follows_the_adaptive_interval(tmp_path) -> None:
 
 def test_a_failed_sync_fails_the_handle(tmp_path, monkeypatch) -> None:
     """The engine makes a save's shards durable with one syncfs; its failure (EIO) fails the save."""
-    from ucl.storage.local import LocalStore, _write_error
+    from ucl.io.stores.local import LocalStore, _write_error
 
     sd = state()
     with CheckpointManager(tmp_path) as mgr:

@@ -41,7 +41,7 @@ def trained_state(step: int) -> dict[str, object]:
 
 
 def main() -> None:
-    from ucl.engine import CheckpointManager
+    from ucl.write.manager import CheckpointManager
 
     path, mode = sys.argv[1], sys.argv[2]
     import ucl
@@ -49,7 +49,7 @@ def main() -> None:
     start = (ucl.Repository.open(path).latest() if _exists(path) else None)
     step = 0 if start is None else start + 1
     if mode == "gradients":
-        from ucl.policy import DeltaPolicy
+        from ucl.write.policy import DeltaPolicy
 
         model, opt = _model_and_optimizer()
         if start is not None:  # resume: the latest committed step, replayed if it is gradient records

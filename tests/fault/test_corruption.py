@@ -19,8 +19,9 @@ import pytest
 import torch
 
 import ucl
-from ucl.engine import CheckpointManager
-from ucl.policy import DeltaPolicy
+from ucl.format import structure
+from ucl.write.manager import CheckpointManager
+from ucl.write.policy import DeltaPolicy
 
 
 def bits(t: torch.Tensor) -> bytes:
@@ -35,14 +36,14 @@ def pristine(tmp_path_factory) -> tuple[Path, dict[int, dict[str, torch.Tensor]]
     state = {"model": {"emb": torch.randn(300, 16, generator=g), "ln": torch.randn(16, generator=g).bfloat16()},
              "optim": {"m": torch.randn(300, 16, generator=g), "step": torch.tensor(0)}}
     saved = {}
-    import ucl.shard
+    import ucl.format.shardfile
 
-    old = ucl.shard.INNER_TARGET_BYTES
-    ucl.shard.INNER_TARGET_BYTES = 4096  # several inner chunks per shard
+    old = ucl.format.shardfile.INNER_TARGET_BYTES
+    ucl.format.shardfile.INNER_TARGET_BYTES = 4096  # several inner chunks per shard
     try:
         with CheckpointManager(root, delta=DeltaPolicy(full_every=3)) as mgr:
             for step in range(4):
-                saved[step] = ucl.names.flatten(state)[0]
+                saved[step] = ucl.format.structure.flatten(state)[0]
                 saved[step] = {k: v.clone() for k, v in saved[step].items()}
                 mgr.save(step, state)
                 state["model"]["emb"][step * 7] += 1
@@ -50,7 +51,7 @@ def pristine(tmp_path_factory) -> tuple[Path, dict[int, dict[str, torch.Tensor]]
                 state["optim"]["step"] += 1
             mgr.wait()
     finally:
-        ucl.shard.INNER_TARGET_BYTES = old
+        ucl.format.shardfile.INNER_TARGET_BYTES = old
     assert ucl.validate(root).ok
     return root, saved
 

@@ -32,7 +32,7 @@ latest = repo.latest()
 out = {"latest": latest, "steps": repo.steps()}
 if latest is not None:
     got = ucl.load(path, latest, flat=True)
-    want, _ = ucl.names.flatten(trained_state(latest) if sys.argv[3] == "gradients" else state_for(latest))
+    want, _ = ucl.format.structure.flatten(trained_state(latest) if sys.argv[3] == "gradients" else state_for(latest))
     out["exact"] = all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in want.items())
     out["valid"] = ucl.validate(path, latest).ok
     # steps whose directory exists but whose commit record does not must be invisible

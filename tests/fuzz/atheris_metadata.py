@@ -30,9 +30,10 @@ import numpy  # noqa: F401
 import torch  # noqa: F401
 
 with atheris.instrument_imports(include=["ucl"]):
-    from ucl import _native, metadata, names
     from ucl.errors import UCLError
-    from ucl.metadata import ArrayMeta, CommitRecord, StepMeta
+    from ucl.format import metadata, names
+    from ucl.format.metadata import ArrayMeta, CommitRecord, StepMeta
+    from ucl.io import native as _native
 
 FIXTURES = Path(__file__).resolve().parents[2] / "conformance" / "fixtures" / "valid"
 MODES = 7

@@ -23,8 +23,9 @@ from typing import Any
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from ucl import _native, metadata
 from ucl.errors import UCLError
+from ucl.format import metadata
+from ucl.io import native as _native
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "conformance" / "fixtures"

@@ -20,8 +20,8 @@ from tests.fuzz.strategies import (
     seal_commit,
     ucl_outcome,
 )
-from ucl import metadata, names
-from ucl.metadata import MAX_ELEMENTS, MAX_INNER_CHUNKS_PER_SHARD, ArrayMeta, CommitRecord, StepMeta
+from ucl.format import metadata, names
+from ucl.format.metadata import MAX_ELEMENTS, MAX_INNER_CHUNKS_PER_SHARD, ArrayMeta, CommitRecord, StepMeta
 
 
 def _doc(rel: str) -> Any:

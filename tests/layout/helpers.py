@@ -9,8 +9,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ucl.layout import Layout, Mesh, infer_shapes, merge_plans, plan_save, shard_local_state
-from ucl.layout.reference import apply_writes, empty_store
+from ucl.layout import Layout, Mesh
+from ucl.plan.layout_save import infer_shapes, merge_plans, plan_save
+from ucl.testing.layout_reference import apply_writes, empty_store, shard_local_state
 from ucl.testing.layout_strategies import LogicalSpec
 
 

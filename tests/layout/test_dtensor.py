@@ -12,7 +12,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from ucl.errors import InvalidLayoutError
-from ucl.layout import Mesh, layout_from_dtensors, mesh_rank, plan_save, shard_local_state
+from ucl.layout import Mesh, format_layout, layout_from_dtensors, mesh_rank
+from ucl.plan.layout_save import plan_save
+from ucl.testing.layout_reference import shard_local_state
 
 from .helpers import local_shapes
 
@@ -58,7 +60,7 @@ def test_layout_from_dtensor_placements(fake_world):
     sd = {"model": {n: _dtensor(full[n], fake_world, placements[n]) for n in full}, "step": torch.tensor(3)}
     layout = layout_from_dtensors(sd)
     assert layout.mesh == Mesh.of(dp=2, tp=4)
-    assert layout.to_text() == (
+    assert format_layout(layout) == (
         "ucl-layout 1\n"
         "mesh dp=2 tp=4\n"
         '"model/col": size(0, 16), shard(0, tp), shard(0, dp)\n'

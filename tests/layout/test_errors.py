@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from ucl import errors
-from ucl.layout import Layout, Mesh, check_mesh, merge_plans, parse_layout, plan_load, plan_save
+from ucl.layout import Layout, Mesh, check_mesh, parse_layout
 from ucl.layout.builtins import zero_flat
+from ucl.plan.layout_load import plan_load
+from ucl.plan.layout_save import merge_plans, plan_save
 
 from .helpers import local_shapes, make_full, save
 

@@ -9,19 +9,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ucl.layout import (
-    Layout,
-    LogicalIndex,
-    Mesh,
-    Rule,
-    Shard,
-    plan_load,
-    shard_local_state,
-    stored_chunks,
-    unshard,
-)
+from ucl.layout import Layout, Mesh, Rule, Shard
 from ucl.layout.boxes import full as full_box
-from ucl.layout.reference import apply_reads, read_logical
+from ucl.plan.layout_load import LogicalIndex, plan_load
+from ucl.plan.layout_save import stored_chunks
+from ucl.testing.layout_reference import apply_reads, read_logical, shard_local_state, unshard
 from ucl.testing.layout_strategies import configs, logical_specs, meshes
 
 from .helpers import assert_same, examples, make_full, save, sl

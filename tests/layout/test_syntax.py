@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from referencing import Registry, Resource
 
-from ucl.layout import Layout, Mesh, parse_layout, parse_mesh
+from ucl.layout import Layout, Mesh, format_layout, parse_layout, parse_mesh
 from ucl.layout.builtins import megatron_gpt, zero_flat
 from ucl.layout.patterns import escape, match
 from ucl.testing.layout_strategies import layouts
@@ -38,9 +38,9 @@ RECORD = _validator("/$defs/logical_record")
 @settings(max_examples=examples(60), deadline=None)
 @given(layout=layouts())
 def test_text_and_json_round_trip(layout):
-    text = layout.to_text()
+    text = format_layout(layout)
     assert parse_layout(text) == layout
-    assert parse_layout(text).to_text() == text
+    assert format_layout(parse_layout(text)) == text
     d = layout.to_dict()
     assert Layout.from_dict(json.loads(json.dumps(d))) == layout
     LAYOUT.validate(d)
@@ -57,7 +57,7 @@ def test_comments_blank_lines_and_continuations():
     """
     layout = parse_layout(text.replace("\n    ", "\n"))
     assert layout.mesh == Mesh.of(dp=2, tp=2) and layout.rules[0].patterns == ("a", "b")
-    assert layout.to_text() == 'ucl-layout 1\nmesh dp=2 tp=2\n"a", "b": shard(0, tp)\n'
+    assert format_layout(layout) == 'ucl-layout 1\nmesh dp=2 tp=2\n"a", "b": shard(0, tp)\n'
 
 
 def test_mesh_text_and_coordinates():
@@ -126,7 +126,7 @@ def _spec_blocks(lang):
 @pytest.mark.parametrize("block", _spec_blocks("ucl"))
 def test_spec_examples_parse_and_round_trip(block):
     layout = parse_layout(block)
-    assert parse_layout(layout.to_text()) == layout
+    assert parse_layout(format_layout(layout)) == layout
     LAYOUT.validate(layout.to_dict())
 
 
@@ -155,5 +155,5 @@ def test_builtins_round_trip():
         ),
         zero_flat([("a", (2, 3))], align=64),
     ):
-        assert parse_layout(layout.to_text()) == layout
+        assert parse_layout(format_layout(layout)) == layout
         LAYOUT.validate(layout.to_dict())

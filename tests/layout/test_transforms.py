@@ -11,20 +11,13 @@ from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ucl.layout import (
-    Layout,
-    LogicalIndex,
-    Mesh,
-    logical_read,
-    parse_layout,
-    plan_load,
-    plan_save,
-    shard_local_state,
-)
+from ucl.layout import Layout, Mesh, parse_layout
 from ucl.layout.builtins import megatron_gpt, megatron_gpt_params, zero_flat
 from ucl.layout.model import Rule, Shard
-from ucl.layout.reference import apply_reads, read_logical
 from ucl.layout.transforms import make_tile
+from ucl.plan.layout_load import LogicalIndex, logical_read, plan_load
+from ucl.plan.layout_save import plan_save
+from ucl.testing.layout_reference import apply_reads, read_logical, shard_local_state
 
 from .helpers import assert_same, examples, local_shapes, make_full, save
 
@@ -279,8 +272,8 @@ def test_partial_tensors_are_stored_per_rank_and_summed_on_read():
     layout, mesh = L('"g": partial(dp)\n'), Mesh.of(dp=2)
     locs = [{"g": torch.tensor([1.0, 2.0])}, {"g": torch.tensor([10.0, 20.0])}]
     plans = [plan_save(layout, mesh, r, local_shapes(loc)) for r, loc in enumerate(locs)]
-    from ucl.layout import merge_plans
-    from ucl.layout.reference import apply_writes, empty_store
+    from ucl.plan.layout_save import merge_plans
+    from ucl.testing.layout_reference import apply_writes, empty_store
 
     arrays = merge_plans(plans)
     assert arrays["g"].shape == (2, 2) and arrays["g"].chunk_shape == (1, 2)

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 import ucl
-from ucl.engine import CheckpointManager
-from ucl.layout import shard_local_state
+from ucl.testing.layout_reference import shard_local_state
+from ucl.write.manager import CheckpointManager
 
 from .gptstate import CONFIGS, digest, layout_of, layout_text, mesh_of, nest
 

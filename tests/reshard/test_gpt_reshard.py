@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import ucl
-from ucl.layout import shard_local_state, unshard
 from ucl.testing import dist
+from ucl.testing.layout_reference import shard_local_state, unshard
 
 from .gptstate import CONFIGS, ONE, digest, layout_of, mesh_of, next_loss
 
@@ -146,7 +146,7 @@ def test_zarr_view_presents_logical_tensors(saved: dict[str, Any], ref: dict[str
     import numpy as np
     import zarr
 
-    with ucl.zarr_store.ZarrStore(_path(saved, (2, 2, 1))) as store:
+    with ucl.adapters.zarr_store.ZarrStore(_path(saved, (2, 2, 1))) as store:
         group = zarr.open_group(store, mode="r")
         for n in [
             "model/embedding.word_embeddings.weight",

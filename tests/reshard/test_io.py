@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import ucl
-from ucl.engine import CheckpointManager
 from ucl.errors import (
     InconsistentMetadataError,
     InvalidArgumentError,
@@ -21,9 +20,14 @@ from ucl.errors import (
     TensorNotFoundError,
     UnmatchedPatternError,
 )
-from ucl.layout import ArraySpec, LogicalIndex, Mesh, parse_layout, shard_local_state
-from ucl.reshard import load_plan, save_sharded
-from ucl.shard import index_nbytes
+from ucl.format.shardfile import index_nbytes
+from ucl.layout import Mesh, parse_layout
+from ucl.plan.items import ArraySpec
+from ucl.plan.layout_load import LogicalIndex
+from ucl.read.load import load_plan
+from ucl.testing.layout_reference import shard_local_state
+from ucl.write.manager import CheckpointManager
+from ucl.write.save import save_sharded
 
 
 def _layout(*rules: str) -> Any:
@@ -103,7 +107,7 @@ def test_partial_sums(tmp_path: Any) -> None:
         loc = shard_local_state(full, layout, mesh, r)
         locs.append({n: t + (r + 1) * 0.25 for n, t in loc.items()})
     save_sharded(locs, tmp_path, 0, layout=layout, mesh=mesh)
-    from ucl.layout import unshard
+    from ucl.testing.layout_reference import unshard
 
     want = unshard(locs, layout, mesh)
     got = ucl.load(tmp_path, flat=True)
@@ -258,13 +262,13 @@ def test_hostile_records_are_refused() -> None:
 
 
 def test_op_splitting_covers_each_element_once() -> None:
-    from ucl.reader import _row_major_pieces
+    from ucl.plan.copies import row_major_pieces
 
     for shape in [(5,), (3, 4), (2, 3, 5), (1, 1, 7), (4, 1, 3)]:
         for limit in (1, 2, 3, 7, 100):
             seen = torch.zeros(shape, dtype=torch.int32)
             pos = 0
-            for start, sub in _row_major_pieces(shape, limit):
+            for start, sub in row_major_pieces(shape, limit):
                 idx = tuple(slice(a, a + n) for a, n in zip(start, sub, strict=True))
                 seen[idx] += 1
                 # each piece is the next run of the box in row-major order

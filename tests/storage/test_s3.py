@@ -17,14 +17,15 @@ import torch
 import zarr
 
 import ucl
-import ucl.storage.remote as remote
+import ucl.io.stores.remote as remote
 from tests.storage import moto_server
-from ucl import _native
-from ucl.engine import CheckpointManager
 from ucl.errors import CheckpointNotFoundError, MissingShardError, WriteError
-from ucl.repo import Repository
-from ucl.storage.remote import FsspecStore
-from ucl.writer import StepWriter, all_shards, array_for, shard_block
+from ucl.format.repository import Repository
+from ucl.io import native as _native
+from ucl.io.stores.remote import FsspecStore
+from ucl.plan.save import all_shards, array_for, shard_block
+from ucl.write.manager import CheckpointManager
+from ucl.write.step import StepWriter
 
 pytestmark = pytest.mark.s3
 
@@ -43,9 +44,9 @@ def bits(t: torch.Tensor) -> bytes:
 
 # -- the round trip, configured by environment ---------------------------------------------------------
 def test_round_trip_engine_lazy_read_validate_zarr_view(bucket, monkeypatch) -> None:
-    import ucl.shard
+    import ucl.format.shardfile
 
-    monkeypatch.setattr(ucl.shard, "INNER_TARGET_BYTES", 8 << 10)  # model/w: 8 inner chunks of 32 rows
+    monkeypatch.setattr(ucl.format.shardfile, "INNER_TARGET_BYTES", 8 << 10)  # model/w: 8 inner chunks of 32 rows
     url = f"s3://{bucket}/run"
     with CheckpointManager(url, keep_last=2) as mgr:
         for step in (10, 20, 30):
@@ -336,8 +337,8 @@ def test_one_writer_per_s3_repository(bucket) -> None:  # noqa: ANN001
     import pytest as _pytest
     import torch as _torch
 
-    from ucl.engine import CheckpointManager
     from ucl.errors import WriterLockedError
+    from ucl.write.manager import CheckpointManager
 
     url = f"s3://{bucket}/locked"
     with CheckpointManager(url) as mgr:

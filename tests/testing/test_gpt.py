@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import ucl
+from ucl.format import structure
 from ucl.testing.gpt import (
     GPT,
     PRESETS,
@@ -28,7 +29,7 @@ def _bits(t: torch.Tensor) -> bytes:
 
 
 def _flat(state):  # type: ignore[no-untyped-def]
-    tensors, tree = ucl.names.flatten(state)
+    tensors, tree = ucl.format.structure.flatten(state)
     return {n: _bits(t) for n, t in tensors.items()}, tree
 
 

@@ -7,8 +7,7 @@ callbacks that read metadata and inner chunks.
   byte-plane shuffle of full values, XOR or wrapping difference of bit patterns).
 - :func:`choose_encoding`: the writer's per-tensor choice of ``"xor"`` or ``"sub"``.
 - :func:`resolve_chain`, :func:`resolve_array_chain`, :func:`reconstruct_inner`: chains of steps.
-- :class:`DeltaRecord`: the array's ``attributes.ucl.delta`` and its ``ucl.delta`` codec.
-- :func:`validate_chain`: spec/delta.md §7 for ``ucl.validator`` (reads through the repository).
+- :class:`DeltaRecord` (from ucl.format.records): the array's ``attributes.ucl.delta`` and its codec.
 """
 
 from ucl.delta.chain import (
@@ -25,15 +24,13 @@ from ucl.delta.codec import (
     MODE_SUB,
     MODE_XOR,
     bit_view,
-    choose_encoding,
     decode_chunk,
     encode_chunk,
     encode_chunk_into,
     payload_bound,
     payload_mode,
 )
-from ucl.delta.records import CODEC_NAME, DeltaRecord, GradientRecords, OptimizerFingerprint, parse_codec
-from ucl.delta.validate import validate_chain
+from ucl.format.records import CODEC_NAME, DeltaRecord, GradientRecords, OptimizerFingerprint, parse_codec
 
 __all__ = [
     "CODEC_NAME",
@@ -58,5 +55,4 @@ __all__ = [
     "reconstruct_inner",
     "resolve_array_chain",
     "resolve_chain",
-    "validate_chain",
 ]

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from ucl.delta.codec import ENCODINGS, MODE_FULL, Backend, decode_chunk
-from ucl.delta.records import DeltaRecord
 from ucl.errors import DeltaChainError, FormatError, IntegrityError, LimitExceededError, UCLError
+from ucl.format.records import DeltaRecord
 
 __all__ = [
     "DEFAULT_MAX_CHAIN",

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ucl.errors import DeltaChainError, FormatError, InvalidArgumentError
+from ucl.format.records import choose_encoding
 
 __all__ = [
     "ENCODINGS",
@@ -87,33 +88,6 @@ def bit_view(a: np.ndarray) -> np.ndarray:
 def word_dtype(itemsize: int) -> np.dtype:
     """The unsigned word the codec uses for a data type of ``itemsize`` bytes (as :func:`bit_view`)."""
     return np.dtype(f"<u{itemsize if itemsize in _WORDS else 8}")
-
-
-def choose_encoding(name: str, dtype: str) -> str:
-    """The delta encoding a writer uses for a tensor: ``"sub"`` or ``"xor"``.
-
-    Integer subtraction compresses Adam's second moments (``exp_avg_sq``: positive, slowly varying, so
-    the difference stays small across the exponent boundary) and integer counters better; XOR is better
-    for weights and first moments, whose sign and exponent bits rarely change.
-
-    Parameters
-    ----------
-    name : str
-        The tensor name (state-dict key), e.g. ``"optim/state/3/exp_avg_sq"``.
-    dtype : str
-        The spec's data type name (``"float32"``, ``"bfloat16"``, ``"int64"``, ...).
-
-    Returns
-    -------
-    str
-        ``"sub"`` for second-moment estimates and integer types, else ``"xor"``.
-    """
-    leaf = name.replace(".", "/").rsplit("/", 1)[-1]
-    if leaf in ("exp_avg_sq", "max_exp_avg_sq", "square_avg"):
-        return "sub"
-    if dtype.startswith(("int", "uint")):
-        return "sub"
-    return "xor"
 
 
 def payload_bound(nbytes: int, word: int) -> int:

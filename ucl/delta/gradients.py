@@ -14,8 +14,9 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from ucl.delta.records import GradientRecords, OptimizerFingerprint
 from ucl.errors import DeltaChainError, InvalidArgumentError, UnknownExtensionError
+from ucl.format import structure
+from ucl.format.records import GradientRecords, OptimizerFingerprint
 
 __all__ = [
     "GradientTracker",
@@ -371,7 +372,6 @@ def replay_records(
     """
     import torch
 
-    from ucl import names
 
     cls = _optimizer_class(rec.fingerprint.optimizer)
     sd = _at(parent_state, rec.optimizer_state)
@@ -420,6 +420,6 @@ def replay_records(
     nested: Any = {"state": opt.state_dict()["state"]}
     for seg in reversed(rec.optimizer_state.split("/")):
         nested = {seg: nested}
-    flat, _ = names.flatten(nested)
+    flat, _ = structure.flatten(nested)
     out.update({n: t.detach().cpu() for n, t in flat.items()})
     return out, mismatches

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ucl import names
 from ucl.errors import InvalidLayoutError, MeshMismatchError
+from ucl.format import structure
 from ucl.layout.mesh import Mesh
 from ucl.layout.model import Layout, Partial, Rule, Shard, Size, Transform
 from ucl.layout.patterns import escape
@@ -108,7 +108,7 @@ def layout_from_dtensors(state_dict: Mapping[str, Any]) -> Layout:
     """
     from torch.distributed.tensor import DTensor
 
-    tensors, _ = names.flatten(state_dict)
+    tensors, _ = structure.flatten(state_dict)
     mesh: Mesh | None = None
     rules: list[Rule] = []
     for name, t in tensors.items():

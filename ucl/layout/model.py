@@ -560,11 +560,6 @@ class Layout:
             mesh=Mesh.from_dict(d["mesh"]) if "mesh" in d else None,
         )
 
-    def to_text(self) -> str:
-        from ucl.layout.syntax import format_layout
-
-        return format_layout(self)
-
 
 def check_mesh(layout: Layout, mesh: Mesh, world_size: int | None = None) -> None:
     """Raise MeshMismatchError unless ``mesh`` fits ``layout`` (and has ``world_size`` ranks)."""

@@ -1,0 +1,147 @@
+"""Data types: torch <-> the spec's names (zarr v3 / tensorstore spellings) <-> numpy (ml_dtypes).
+
+bfloat16 and float8 are not core zarr v3 types; tensorstore reads them natively under these names and
+zarr-python does after ``import ucl`` (registered here, and by entry point, see pyproject.toml).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from ucl.errors import UnsupportedDTypeError
+
+# spec name -> (torch dtype, numpy dtype, itemsize). The order is the spec's table (spec/core.md §4).
+_TABLE: dict[str, tuple[torch.dtype, np.dtype, int]] = {
+    "bool": (torch.bool, np.dtype(np.bool_), 1),
+    "int8": (torch.int8, np.dtype(np.int8), 1),
+    "int16": (torch.int16, np.dtype(np.int16), 2),
+    "int32": (torch.int32, np.dtype(np.int32), 4),
+    "int64": (torch.int64, np.dtype(np.int64), 8),
+    "uint8": (torch.uint8, np.dtype(np.uint8), 1),
+    "uint16": (torch.uint16, np.dtype(np.uint16), 2),
+    "uint32": (torch.uint32, np.dtype(np.uint32), 4),
+    "uint64": (torch.uint64, np.dtype(np.uint64), 8),
+    "float16": (torch.float16, np.dtype(np.float16), 2),
+    "float32": (torch.float32, np.dtype(np.float32), 4),
+    "float64": (torch.float64, np.dtype(np.float64), 8),
+    "bfloat16": (torch.bfloat16, np.dtype(ml_dtypes.bfloat16), 2),
+    "float8_e4m3fn": (torch.float8_e4m3fn, np.dtype(ml_dtypes.float8_e4m3fn), 1),
+    "float8_e5m2": (torch.float8_e5m2, np.dtype(ml_dtypes.float8_e5m2), 1),
+    "complex64": (torch.complex64, np.dtype(np.complex64), 8),
+    "complex128": (torch.complex128, np.dtype(np.complex128), 16),
+}
+_BY_TORCH = {t: name for name, (t, _, _) in _TABLE.items()}
+# Unsigned integer of the same width: the bit pattern view used for checksums and deltas.
+_UINT = {1: torch.uint8, 2: torch.uint16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
+
+SPEC_DTYPES: tuple[str, ...] = tuple(_TABLE)
+
+
+def from_torch(dtype: torch.dtype) -> str:
+    """The spec name of a torch dtype; raises UnsupportedDTypeError for others."""
+    try:
+        return _BY_TORCH[dtype]
+    except KeyError:
+        raise UnsupportedDTypeError(f"torch dtype {dtype} has no ucl data type") from None
+
+
+def check(name: object) -> str:
+    """Return ``name`` when it is a spec data type name, else raise UnsupportedDTypeError."""
+    if not isinstance(name, str) or name not in _TABLE:
+        raise UnsupportedDTypeError(f"data type {name!r} is not one of the spec's: {', '.join(_TABLE)}")
+    return name
+
+
+def to_torch(name: str) -> torch.dtype:
+    return _TABLE[check(name)][0]
+
+
+def to_numpy(name: str) -> np.dtype:
+    return _TABLE[check(name)][1]
+
+
+def itemsize(name: str) -> int:
+    return _TABLE[check(name)][2]
+
+
+def fill_value_json(name: str) -> bool | int | float | list[float]:
+    """The JSON fill value (zero) of a data type, as zarr v3 writes it."""
+    if name == "bool":
+        return False
+    if name.startswith(("int", "uint")):
+        return 0
+    if name.startswith("complex"):
+        return [0.0, 0.0]
+    return 0.0
+
+
+# -- zarr-python registration ----------------------------------------------------------------------
+def _zarr_types() -> list[type]:
+    from zarr.core.dtype.npy.float import BaseFloat
+
+    @dataclass(frozen=True, kw_only=True)
+    class _MLFloat(BaseFloat):  # type: ignore[type-arg]
+        _zarr_v2_names: ClassVar[tuple[str, ...]] = ()
+
+        @classmethod
+        def _check_native_dtype(cls, dtype: object) -> bool:
+            return isinstance(dtype, np.dtype) and dtype == cls._np
+
+        @classmethod
+        def from_native_dtype(cls, dtype: object):  # type: ignore[no-untyped-def]
+            if cls._check_native_dtype(dtype):
+                return cls()
+            from zarr.core.dtype.common import DataTypeValidationError
+
+            raise DataTypeValidationError(f"Invalid data type: {dtype}. Expected {cls._np}")
+
+        def to_native_dtype(self):  # type: ignore[no-untyped-def]
+            return self._np
+
+        @property
+        def item_size(self) -> int:
+            return int(self._np.itemsize)
+
+    def make(name: str) -> type:
+        np_dtype = _TABLE[name][1]
+        return type(
+            f"ZarrDType_{name}",
+            (_MLFloat,),
+            {"_zarr_v3_name": name, "_np": np_dtype, "dtype_cls": type(np_dtype), "__module__": __name__},
+        )
+
+    return [dataclass(frozen=True, kw_only=True)(make(n)) for n in ("bfloat16", "float8_e4m3fn", "float8_e5m2")]
+
+
+class _Lazy:
+    """Entry-point targets: resolved on first use, so importing ucl.format.dtypes does not import zarr."""
+
+    _types: ClassVar[list[type] | None] = None
+
+    @classmethod
+    def get(cls, i: int) -> type:
+        if cls._types is None:
+            cls._types = _zarr_types()
+        return cls._types[i]
+
+
+def register_zarr_dtypes() -> None:
+    """Register bfloat16 and float8 with zarr-python's data-type registry (idempotent)."""
+    from zarr.core.dtype import data_type_registry
+
+    for i in range(3):
+        t = _Lazy.get(i)
+        if t._zarr_v3_name not in data_type_registry.contents:  # type: ignore[attr-defined]
+            data_type_registry.register(t._zarr_v3_name, t)  # type: ignore[attr-defined]
+
+
+def __getattr__(attr: str) -> type:  # entry points name ucl.format.dtypes:BFloat16 etc.
+    names = {"BFloat16": 0, "Float8E4M3FN": 1, "Float8E5M2": 2}
+    if attr in names:
+        return _Lazy.get(names[attr])
+    raise AttributeError(attr)

@@ -1,0 +1,474 @@
+"""Metadata documents (spec/core.md §3-§7) as frozen dataclasses <-> JSON, checked against spec/schemas.
+
+Parsing is a straight sequence of checks (safetensors' read_metadata): size limit, JSON (no NaN, bounded
+depth), the document's JSON Schema, then semantic checks that a schema cannot express. Nothing is
+allocated or read on the strength of a value that has not been checked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from ucl.errors import (
+    CorruptCommitRecordError,
+    InconsistentMetadataError,
+    InvalidNameError,
+    LimitExceededError,
+    SchemaError,
+    UnknownExtensionError,
+    UnsupportedDTypeError,
+    UnsupportedVersionError,
+)
+from ucl.format import dtypes, names, structure
+from ucl.io import native as _native
+
+FORMAT_VERSION = 1
+MAX_DOC_BYTES = 256 << 20
+MAX_ELEMENTS = 1 << 62
+MAX_INNER_CHUNKS_PER_SHARD = 1 << 24
+SCHEMA_DIR = Path(__file__).with_name("schemas")
+KNOWN_EXTENSIONS: frozenset[str] = frozenset({"ucl.gradient_records"})  # spec/delta.md §8
+
+
+# -- JSON ------------------------------------------------------------------------------------------
+def _reject_constant(c: str) -> None:
+    raise ValueError(f"{c} is not valid JSON")
+
+
+def loads(data: bytes, what: str) -> Any:
+    """Parse a metadata document: bounded size and depth, strict JSON (no NaN/Infinity)."""
+    if len(data) > MAX_DOC_BYTES:
+        raise LimitExceededError(f"{what} is {len(data)} bytes, more than the limit of {MAX_DOC_BYTES}", file=what)
+    try:
+        return json.loads(data, parse_constant=_reject_constant)
+    except RecursionError:
+        raise LimitExceededError(f"{what} nests too deeply", file=what) from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SchemaError(f"{what} is not valid JSON: {e}", file=what) from None
+
+
+def dumps(doc: Any) -> bytes:
+    return json.dumps(doc, indent=1, sort_keys=False, allow_nan=False).encode()
+
+
+def canonical(doc: Any) -> bytes:
+    """Canonical JSON: sorted keys, no whitespace, UTF-8 (what checksums are computed over)."""
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+# -- schemas ---------------------------------------------------------------------------------------
+@cache
+def _validator(name: str) -> Any:
+    import jsonschema
+    from referencing import Registry, Resource
+
+    resources = []
+    for p in SCHEMA_DIR.glob("*.schema.json"):
+        doc = json.loads(p.read_text())
+        resources.append((doc["$id"], Resource.from_contents(doc)))
+        resources.append((p.name, Resource.from_contents(doc)))
+    registry = Registry().with_resources(resources)
+    schema = json.loads((SCHEMA_DIR / f"{name}.schema.json").read_text())
+    # JSON Schema counts 4.0 as an integer; UCL does not (a float size or shape would reach arithmetic).
+    strict = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=(
+        jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", lambda _, x: type(x) is int)))
+    return strict(schema, registry=registry)
+
+
+_VALID_ARRAY_DOCS: dict[str, None] = {}  # canonical array documents known valid, names blanked (bounded)
+
+
+def _check_array_schema(doc: Any, what: str) -> None:
+    """check_schema(doc, "array") with a cache: the arrays of a step repeat a few structures (every
+    layer's weight has the same document but for its name), and jsonschema costs ~0.6 ms a document,
+    most of an open. The name is checked by ucl.format.names, so it is blanked in the key."""
+    try:
+        ucl = doc["attributes"]["ucl"]
+        blank = {**doc, "attributes": {**doc["attributes"], "ucl": {**ucl, "name": ""}}}
+        key = json.dumps(blank, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (KeyError, TypeError, ValueError):
+        key = None
+    if key is not None and key in _VALID_ARRAY_DOCS:
+        if not isinstance(ucl.get("name"), str) or not 1 <= len(ucl["name"]) <= 1024:
+            raise SchemaError(f"{what} does not match array.schema.json at attributes/ucl/name", file=what)
+        return
+    check_schema(doc, "array", what)
+    if key is not None:
+        if len(_VALID_ARRAY_DOCS) > 4096:
+            _VALID_ARRAY_DOCS.clear()
+        _VALID_ARRAY_DOCS[key] = None
+
+
+def check_schema(doc: Any, schema: str, what: str) -> None:
+    """Raise SchemaError naming the first violation of ``schema`` in ``doc``."""
+    err = next(iter(sorted(_validator(schema).iter_errors(doc), key=lambda e: list(e.absolute_path))), None)
+    if err is not None:
+        where = "/".join(str(p) for p in err.absolute_path) or "(root)"
+        msg = err.message if len(err.message) < 300 else err.message[:300] + "..."
+        raise SchemaError(f"{what} does not match {schema}.schema.json at {where}: {msg}", file=what)
+
+
+@cache
+def _logical_validator() -> Any:
+    base = _validator("layout")
+    return base.evolve(schema={"$ref": base.schema["$id"] + "#/$defs/logical_record"})
+
+
+def check_logical(rec: Any, what: str, tensor: str | None = None) -> None:
+    """Raise SchemaError unless ``rec`` is a logical record (spec/layout.md §6.3, layout.schema.json)."""
+    err = next(iter(sorted(_logical_validator().iter_errors(rec), key=lambda e: list(e.absolute_path))), None)
+    if err is not None:
+        where = "/".join(str(p) for p in err.absolute_path) or "(root)"
+        msg = err.message if len(err.message) < 300 else err.message[:300] + "..."
+        raise SchemaError(f"{what}: the logical record does not match layout.schema.json at {where}: {msg}",
+                          tensor=tensor, file=what)
+
+
+def check_extensions(exts: list[dict[str, Any]], what: str) -> None:
+    for ext in exts:
+        if ext["name"] not in KNOWN_EXTENSIONS and ext.get("must_understand", True):
+            raise UnknownExtensionError(f"{what} requires extension {ext['name']!r}, which this reader does not know", file=what)
+
+
+def now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+# -- the repository --------------------------------------------------------------------------------
+def repo_doc() -> dict[str, Any]:
+    return {"zarr_format": 3, "node_type": "group", "attributes": {"ucl": {"format_version": FORMAT_VERSION}}}
+
+
+def _format_version(doc: Any) -> Any:
+    """attributes.ucl.format_version, or None, read before the schema check (a newer version may differ)."""
+    for k in ("attributes", "ucl", "format_version"):
+        if not isinstance(doc, dict):
+            return None
+        doc = doc.get(k)
+    return doc
+
+
+def parse_repo(data: bytes, what: str = "zarr.json") -> dict[str, Any]:
+    doc = loads(data, what)
+    version = _format_version(doc)
+    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+        raise UnsupportedVersionError(f"{what}: format version {version}; this reader knows up to {FORMAT_VERSION}", file=what)
+    check_schema(doc, "repository", what)
+    check_extensions(doc["attributes"]["ucl"].get("extensions", []), what)
+    return doc
+
+
+# -- arrays ----------------------------------------------------------------------------------------
+_BYTES_LE = {"name": "bytes", "configuration": {"endian": "little"}}
+_CRC = {"name": "crc32c"}
+
+
+@dataclass(frozen=True)
+class ArrayMeta:
+    """One stored tensor: a Zarr v3 array with one sharding_indexed codec (spec/core.md §6)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    chunk_shape: tuple[int, ...]  # outer chunk = one shard file = one writer's block
+    inner_chunk_shape: tuple[int, ...]
+    compression: dict[str, Any] | None = None  # {"name": "zstd", "configuration": {...}} or None
+    delta: dict[str, Any] | None = None  # spec/delta.md record; when set, inner codecs are [ucl.delta, crc32c]
+    logical: dict[str, Any] | None = None  # spec/layout.md record
+
+    @property
+    def key(self) -> str:
+        return names.to_key(self.name)
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        """Number of shards along each dimension."""
+        return tuple(-(-s // c) if s else 0 for s, c in zip(self.shape, self.chunk_shape, strict=True))
+
+    @property
+    def inner_grid(self) -> tuple[int, ...]:
+        """Number of inner chunks along each dimension of one shard."""
+        return tuple(c // i for c, i in zip(self.chunk_shape, self.inner_chunk_shape, strict=True))
+
+    @property
+    def itemsize(self) -> int:
+        return dtypes.itemsize(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def inner_nbytes(self) -> int:
+        return math.prod(self.inner_chunk_shape) * self.itemsize
+
+    @property
+    def n_inner(self) -> int:
+        return math.prod(self.inner_grid)
+
+    def shard_key(self, coords: tuple[int, ...]) -> str:
+        """Path of a shard, relative to the step (zarr's default chunk key, '/' separated)."""
+        return "/".join([self.key, "c", *map(str, coords)]) if coords else f"{self.key}/c"
+
+    def inner_codecs(self) -> list[dict[str, Any]]:
+        if self.delta is not None:
+            # the codec repeats the record's encoding and base step (spec/delta.md §3.3); an unchanged
+            # array stores no data, its codec names the encoding a chunked one would have used
+            from ucl.format.records import choose_encoding
+
+            enc = self.delta.get("encoding") or choose_encoding(self.name, self.dtype)
+            return [{"name": "ucl.delta", "configuration": {"encoding": enc, "base_step": self.delta["base_step"]}},
+                    _CRC]
+        first = _BYTES_LE if self.itemsize > 1 else {"name": "bytes"}
+        return [first, *([self.compression] if self.compression else []), _CRC]
+
+    def to_dict(self) -> dict[str, Any]:
+        attrs: dict[str, Any] = {"name": self.name}
+        if self.logical is not None:
+            attrs["logical"] = self.logical
+        if self.delta is not None:
+            attrs["delta"] = self.delta
+        return {
+            "zarr_format": 3,
+            "node_type": "array",
+            "shape": list(self.shape),
+            "data_type": self.dtype,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.chunk_shape)}},
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+            "fill_value": dtypes.fill_value_json(self.dtype),
+            "codecs": [
+                {
+                    "name": "sharding_indexed",
+                    "configuration": {
+                        "chunk_shape": list(self.inner_chunk_shape),
+                        "codecs": self.inner_codecs(),
+                        "index_codecs": [_BYTES_LE, _CRC],
+                        "index_location": "end",
+                    },
+                }
+            ],
+            "attributes": {"ucl": attrs},
+        }
+
+    @classmethod
+    def from_dict(cls, doc: Any, what: str) -> ArrayMeta:
+        if isinstance(doc, dict) and "data_type" in doc and doc["data_type"] not in dtypes.SPEC_DTYPES:
+            raise UnsupportedDTypeError(f"{what}: data type {str(doc['data_type'])[:64]!r} is not one of the spec's",
+                                        file=what)
+        _check_array_schema(doc, what)
+        shape = tuple(doc["shape"])
+        chunk = tuple(doc["chunk_grid"]["configuration"]["chunk_shape"])
+        shard = doc["codecs"][0]["configuration"]
+        inner = tuple(shard["chunk_shape"])
+        dtype = doc["data_type"]
+        name = names.check_name(doc["attributes"]["ucl"]["name"])
+        if not (len(shape) == len(chunk) == len(inner)):
+            raise InconsistentMetadataError(
+                f"{what}: shape {list(shape)}, chunk shape {list(chunk)} and inner chunk shape {list(inner)} differ in rank",
+                tensor=name, file=what)
+        if any(c % i for c, i in zip(chunk, inner, strict=True)):
+            raise InconsistentMetadataError(
+                f"{what}: inner chunk shape {list(inner)} does not divide chunk shape {list(chunk)}", tensor=name, file=what)
+        n = 1
+        for s in shape:
+            n *= s
+            if n * dtypes.itemsize(dtype) > MAX_ELEMENTS:
+                raise LimitExceededError(f"{what}: shape {list(shape)} holds more than 2^62 bytes", tensor=name, file=what)
+        if math.prod(c // i for c, i in zip(chunk, inner, strict=True)) > MAX_INNER_CHUNKS_PER_SHARD:
+            raise LimitExceededError(f"{what}: more than 2^24 inner chunks per shard", tensor=name, file=what)
+        if math.prod(inner) * dtypes.itemsize(dtype) > 1 << 31:
+            raise LimitExceededError(f"{what}: inner chunk larger than 2 GiB", tensor=name, file=what)
+        attrs = doc["attributes"]["ucl"]
+        delta = attrs.get("delta")
+        codecs = shard["codecs"]
+        compression = None
+        expected_first = _BYTES_LE if dtypes.itemsize(dtype) > 1 else {"name": "bytes"}
+        if delta is not None:
+            from ucl.format.records import DeltaRecord, parse_codec
+
+            if [c["name"] for c in codecs] != ["ucl.delta", "crc32c"]:
+                raise InconsistentMetadataError(f"{what}: a delta array's inner codecs must be [ucl.delta, crc32c]", tensor=name, file=what)
+            record = DeltaRecord.from_dict(delta, f"{what}: attributes.ucl.delta")
+            if record.mode == "chunked":
+                parse_codec(codecs[0], record, f"{what}: ucl.delta codec")
+        else:
+            names_ = [c["name"] for c in codecs]
+            unknown = [c for c in codecs if c["name"] not in ("bytes", "zstd", "crc32c")]
+            if unknown:
+                raise UnknownExtensionError(f"{what}: codec {unknown[0]['name']!r} is not part of UCL v1", tensor=name, file=what)
+            if names_ not in (["bytes", "crc32c"], ["bytes", "zstd", "crc32c"]):
+                raise SchemaError(f"{what}: inner codecs must be [bytes, crc32c] or [bytes, zstd, crc32c], found {names_}", tensor=name, file=what)
+            if _strip(codecs[0]) != _strip(expected_first) and not (dtypes.itemsize(dtype) == 1 and codecs[0].get("configuration")):
+                raise SchemaError(f"{what}: inner bytes codec must be little-endian", tensor=name, file=what)
+            if len(codecs) == 3:
+                compression = codecs[1]
+                conf = compression.get("configuration", {})
+                level, checksum = conf.get("level", 1), conf.get("checksum", False)
+                if type(level) is not int or not -131072 <= level <= 22 or not isinstance(checksum, bool):
+                    raise SchemaError(f"{what}: zstd configuration {str(conf)[:200]} needs an integer level in "
+                                      "[-131072, 22] and a boolean checksum", tensor=name, file=what)
+        if [_strip(c) for c in shard["index_codecs"]] != [_BYTES_LE, _CRC]:
+            raise SchemaError(f"{what}: index codecs must be [bytes little-endian, crc32c]", tensor=name, file=what)
+        logical = attrs.get("logical")
+        if logical:
+            check_logical(logical, what, name)
+        return cls(name=name, shape=shape, dtype=dtype, chunk_shape=chunk, inner_chunk_shape=inner,
+                   compression=compression, delta=delta, logical=logical)
+
+
+def _strip(codec: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in codec.items() if k != "must_understand" or v is not False}
+
+
+# -- steps -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepMeta:
+    """A step's group document: attributes.ucl and the consolidated metadata of its arrays."""
+
+    step: int
+    kind: str
+    tree: dict[str, Any]
+    arrays: dict[str, ArrayMeta]  # by tensor name
+    parent: int | None = None
+    layout: dict[str, Any] | None = None
+    mesh: dict[str, Any] | None = None
+    extensions: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def gradient_records(self) -> Any:
+        """The step's :class:`ucl.delta.GradientRecords` (spec/delta.md §8), or None."""
+        for e in self.extensions:
+            if e.get("name") == "ucl.gradient_records":
+                from ucl.format.records import GradientRecords
+
+                return GradientRecords.from_extension(e)
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        nodes: dict[str, Any] = {}
+        for a in self.arrays.values():
+            parts = a.key.split("/")
+            for i in range(1, len(parts)):
+                nodes.setdefault("/".join(parts[:i]), {"zarr_format": 3, "node_type": "group", "attributes": {}})
+            nodes[a.key] = a.to_dict()
+        ucl: dict[str, Any] = {"format_version": FORMAT_VERSION, "step": self.step, "kind": self.kind,
+                               "parent": self.parent, "tree": self.tree, "layout": self.layout, "mesh": self.mesh}
+        if self.extensions:
+            ucl["extensions"] = list(self.extensions)
+        return {
+            "zarr_format": 3,
+            "node_type": "group",
+            "attributes": {"ucl": ucl},
+            "consolidated_metadata": {"kind": "inline", "must_understand": False, "metadata": nodes},
+        }
+
+    @classmethod
+    def from_dict(cls, doc: Any, what: str) -> StepMeta:
+        version = _format_version(doc)
+        if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+            raise UnsupportedVersionError(f"{what}: format version {version}; this reader knows up to {FORMAT_VERSION}", file=what)
+        check_schema(doc, "step", what)
+        ucl = doc["attributes"]["ucl"]
+        check_extensions(ucl.get("extensions", []), what)
+        arrays: dict[str, ArrayMeta] = {}
+        for key, node in doc["consolidated_metadata"]["metadata"].items():
+            names.from_key(key)  # every path must be a canonical escape: nothing may leave the step
+            if isinstance(node, dict) and node.get("node_type") == "array":
+                meta = ArrayMeta.from_dict(node, f"{what}: {key}")
+                if meta.key != key:
+                    raise InconsistentMetadataError(f"{what}: array at {key!r} names itself {meta.name!r}", tensor=meta.name, file=what)
+                arrays[meta.name] = meta
+        referenced = set(structure.iter_tree_tensors(ucl["tree"], what))
+        replayed = _replayed(ucl, referenced, arrays, what)
+        if not referenced - replayed <= set(arrays):
+            missing = sorted(referenced - replayed - set(arrays))[0]
+            raise InconsistentMetadataError(f"{what}: the structure tree names tensor {missing!r}, which has no array", tensor=missing, file=what)
+        if ucl["kind"] == "delta" and ucl.get("parent") is None:
+            raise InconsistentMetadataError(f"{what}: a delta step must name its parent", file=what)
+        return cls(step=ucl["step"], kind=ucl["kind"], tree=ucl["tree"], arrays=arrays, parent=ucl.get("parent"),
+                   layout=ucl.get("layout"), mesh=ucl.get("mesh"), extensions=tuple(ucl.get("extensions", ())))
+
+
+def _replayed(ucl: dict[str, Any], referenced: set[str], arrays: dict[str, ArrayMeta], what: str) -> set[str]:
+    """Tensors a ``ucl.gradient_records`` step defines by replay (spec/delta.md §8.1): they have no array."""
+    exts = [e for e in ucl.get("extensions", ()) if e.get("name") == "ucl.gradient_records"]
+    if not exts:
+        return set()
+    from ucl.format.records import GradientRecords
+
+    if len(exts) > 1:
+        raise InconsistentMetadataError(f"{what}: the ucl.gradient_records extension appears twice", file=what)
+    rec = GradientRecords.from_extension(exts[0], f"{what}: ucl.gradient_records")
+    if ucl["kind"] != "delta" or ucl.get("parent") != rec.base_step:
+        raise InconsistentMetadataError(f"{what}: a gradient-record step must be a delta step whose parent is its "
+                                        f"base_step {rec.base_step}", file=what)
+    replayed = rec.replayed(referenced)
+    stored = sorted(replayed & set(arrays))
+    if stored:
+        raise InconsistentMetadataError(f"{what}: tensor {stored[0]!r} is defined by the gradient replay and must "
+                                        "not be stored", tensor=stored[0], file=what)
+    unknown = sorted(set(rec.parameters) - referenced)
+    if unknown:
+        raise InconsistentMetadataError(f"{what}: gradient records name parameter {unknown[0]!r}, which the "
+                                        "structure tree does not", tensor=unknown[0], file=what)
+    for n in rec.parameters:
+        g = arrays.get(rec.gradient_name(n))
+        if g is not None and g.delta is not None:
+            raise InconsistentMetadataError(f"{what}: gradient {g.name!r} must be stored full", tensor=g.name, file=what)
+    return replayed
+
+
+# -- commit records --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CommitRecord:
+    """commits/<step>.json: the step exists iff this record exists and verifies (spec/core.md §7)."""
+
+    step: int
+    kind: str
+    files: dict[str, tuple[int, int]]  # path relative to steps/<step>/ -> (size, crc32c)
+    parent: int | None = None
+    time: str = field(default_factory=now)
+
+    def _body(self) -> dict[str, Any]:
+        return {"ucl_commit": 1, "step": self.step, "kind": self.kind, "parent": self.parent, "time": self.time,
+                "files": {k: [s, c] for k, (s, c) in sorted(self.files.items())}}
+
+    def to_bytes(self) -> bytes:
+        body = self._body()
+        body["checksum"] = _native.crc32c(canonical(body))
+        return dumps(body)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s for s, _ in self.files.values())
+
+    @classmethod
+    def from_bytes(cls, data: bytes, what: str, step: int | None = None) -> CommitRecord:
+        try:
+            doc = loads(data, what)
+            version = doc.get("ucl_commit") if isinstance(doc, dict) else None
+            if type(version) is int and version > 1:
+                raise UnsupportedVersionError(f"commit record {what} has version {version}; this reader knows 1",
+                                              file=what)
+            check_schema(doc, "commit", what)
+        except (SchemaError, LimitExceededError) as e:
+            raise CorruptCommitRecordError(f"commit record {what} is unreadable: {e.message}", file=what) from None
+        body = {k: v for k, v in doc.items() if k != "checksum"}
+        if _native.crc32c(canonical(body)) != doc["checksum"]:
+            raise CorruptCommitRecordError(f"commit record {what} fails its checksum", file=what)
+        check_extensions(doc.get("extensions", []), what)
+        if step is not None and doc["step"] != step:
+            raise CorruptCommitRecordError(f"commit record {what} is for step {doc['step']}, not {step}", file=what)
+        files = {}
+        for k, (size, crc) in doc["files"].items():
+            for seg in k.split("/"):
+                if seg in ("", ".", "..") or "\\" in seg or "\x00" in seg:
+                    raise InvalidNameError(f"commit record {what} lists a file {k[:200]!r} outside its step", file=what)
+            files[k] = (size, crc)
+        return cls(step=doc["step"], kind=doc["kind"], files=files, parent=doc.get("parent"), time=doc["time"])

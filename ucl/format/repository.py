@@ -1,0 +1,168 @@
+"""A repository of steps: where documents live, which steps exist, and reading their metadata.
+
+Layout (spec/core.md §3)::
+
+    <repo>/zarr.json                 group; attributes.ucl.format_version
+    <repo>/steps/zarr.json           group
+    <repo>/steps/<step>/zarr.json    the step's group document (StepMeta), consolidated metadata
+    <repo>/steps/<step>/<name>/...   one Zarr v3 array per tensor, shards at c/<i>/<j>...
+    <repo>/commits/<step>.json       the commit record: the step exists iff this verifies
+
+A step's files are written before its commit record; deleting a step removes the record first. So a
+reader that lists ``commits/`` never sees a half-written or half-deleted step.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from ucl.errors import (
+    CheckpointNotFoundError,
+    ChecksumError,
+    CorruptCommitRecordError,
+    InvalidArgumentError,
+    LimitExceededError,
+    MissingShardError,
+    ShardSizeError,
+    StepNotCommittedError,
+)
+from ucl.format import metadata
+from ucl.format.metadata import CommitRecord, StepMeta
+from ucl.io import native as _native
+from ucl.io.stores import open_store
+from ucl.io.stores.base import Store
+
+_COMMIT_NAME = re.compile(r"^(0|[1-9][0-9]{0,18})\.json$")
+MAX_STEP = (1 << 63) - 1
+
+
+def check_step(step: object) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise InvalidArgumentError(f"step must be an integer in [0, 2^63), got {step!r}")
+    return step
+
+
+def step_prefix(step: int) -> str:
+    return f"steps/{step}"
+
+
+def commit_key(step: int) -> str:
+    return f"commits/{step}.json"
+
+
+class Repository:
+    """A checkpoint repository on any Store."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str] | Store, storage_options: dict[str, Any] | None = None,
+             create: bool = False) -> Repository:
+        repo = cls(open_store(path, storage_options))
+        try:
+            raw = repo._read_doc("zarr.json")
+        except (FileNotFoundError, NotADirectoryError):
+            if not create:
+                raise CheckpointNotFoundError(f"no ucl repository at {repo.store.url} (zarr.json is missing)",
+                                              file=repo.store.url) from None
+            # the root document last: a repository exists once it does, with everything it needs
+            repo.store.write_atomic("steps/zarr.json", metadata.dumps(
+                {"zarr_format": 3, "node_type": "group", "attributes": {}}))
+            repo.store.write_atomic("zarr.json", metadata.dumps(metadata.repo_doc()))
+            if repo.store.is_local:
+                repo.store.sync_dir("")
+            return repo
+        metadata.parse_repo(raw, f"{repo.store.url}/zarr.json")
+        return repo
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    # -- which steps exist ------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Steps with a commit record, ascending (records are verified when a step is opened)."""
+        out = []
+        for name in self.store.list_dir("commits"):
+            m = _COMMIT_NAME.match(name)
+            if m and int(m.group(1)) <= MAX_STEP:
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def latest(self) -> int | None:
+        """The newest step whose commit record verifies, or None."""
+        for step in reversed(self.steps()):
+            try:
+                self.commit_record(step)
+                return step
+            except CheckpointNotFoundError:
+                continue
+            except Exception:  # a corrupt newest record: fall back to the previous step
+                continue
+        return None
+
+    def commit_record(self, step: int) -> CommitRecord:
+        check_step(step)
+        key = commit_key(step)
+        try:
+            raw = self._read_doc(key)
+        except LimitExceededError as e:
+            raise CorruptCommitRecordError(f"commit record {self.url}/{key} is unreadable: {e.message}",
+                                           file=key) from None
+        except (FileNotFoundError, NotADirectoryError):
+            if self.store.exists(f"{step_prefix(step)}/zarr.json"):
+                raise StepNotCommittedError(f"step {step} in {self.url} has files but no commit record: it was never "
+                                            "committed", file=key) from None
+            raise CheckpointNotFoundError(f"step {step} does not exist in {self.url}", file=key) from None
+        return CommitRecord.from_bytes(raw, f"{self.url}/{key}", step)
+
+    def _read_doc(self, key: str) -> bytes:
+        """A metadata document that no record sizes: refused unread when larger than the spec's limit."""
+        size = self.store.size(key)
+        if size is not None and size > metadata.MAX_DOC_BYTES:
+            raise LimitExceededError(f"{key} is {size} bytes, more than the limit of {metadata.MAX_DOC_BYTES}",
+                                     file=key)
+        return self.store.read(key)
+
+    def read_verified(self, step: int, rel: str, record: CommitRecord, *, n_inner: int | None = None) -> bytes:
+        """A file of a committed step, checked against its commit record: size, and the crc32c of a
+        document or (given the shard's number of inner chunks, ``n_inner``) a shard's digest."""
+        key = f"{step_prefix(step)}/{rel}"
+        if rel not in record.files:
+            raise MissingShardError(f"{key} is not listed in the commit record of step {step}", file=key)
+        size, crc = record.files[rel]
+        actual = self.store.size(key)  # compared before anything is read: a record's size may lie
+        if actual is None:
+            raise MissingShardError(f"{key} is missing", file=key)
+        if actual != size:
+            raise ShardSizeError(f"{key} is {actual} bytes, the commit record says {size}", file=key)
+        try:
+            data = self.store.read(key)
+        except (FileNotFoundError, NotADirectoryError):
+            raise MissingShardError(f"{key} is missing", file=key) from None
+        if len(data) != size:
+            raise ShardSizeError(f"{key} is {len(data)} bytes, the commit record says {size}", file=key)
+        if n_inner is not None:
+            from ucl.format.shardfile import file_digest
+
+            if file_digest(data, n_inner, verify=True, where=key) != crc:
+                raise ChecksumError(f"{key} does not hold the chunks its commit record names (digest differs)",
+                                    file=key)
+        elif _native.crc32c(data) != crc:
+            raise ChecksumError(f"{key} fails its crc32c", file=key)
+        return data
+
+    def step_meta(self, step: int, record: CommitRecord | None = None) -> StepMeta:
+        record = record or self.commit_record(step)
+        raw = self.read_verified(step, "zarr.json", record)
+        what = f"{self.url}/{step_prefix(step)}/zarr.json"
+        meta = StepMeta.from_dict(metadata.loads(raw, what), what)
+        if meta.step != step or meta.kind != record.kind or meta.parent != record.parent:
+            from ucl.errors import InconsistentMetadataError
+
+            raise InconsistentMetadataError(f"{what} disagrees with the commit record of step {step} "
+                                            "(step, kind or parent)", file=what)
+        return meta

@@ -1,0 +1,277 @@
+"""The sharding_indexed codec as UCL uses it (spec/core.md §6): one shard file per writer's block.
+
+A shard is its inner chunks in C order of the inner grid, each encoded by the inner codecs and followed
+by its crc32c, then the index: per inner chunk (offset, nbytes) as little-endian uint64, 2^64-1 twice for
+an absent chunk, followed by the index's crc32c. Pure functions: bytes in, bytes out.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ucl.errors import ChecksumError, CorruptShardIndexError, IntegrityError, ShardSizeError
+from ucl.format.metadata import ArrayMeta
+from ucl.io import native as _native
+
+EMPTY = (1 << 64) - 1
+INNER_TARGET_BYTES = 4 << 20
+_CRC = struct.Struct("<I")
+
+
+def index_nbytes(n_inner: int) -> int:
+    return 16 * n_inner + 4
+
+
+def choose_inner_chunk(block: tuple[int, ...], itemsize: int, target: int | None = None) -> tuple[int, ...]:
+    """Largest inner chunk <= ``target`` bytes that divides ``block``, splitting leading dimensions first.
+
+    Splitting only leading dimensions keeps each inner chunk one contiguous run of the writer's tensor,
+    so shards are written and read without copies.
+    """
+    target = INNER_TARGET_BYTES if target is None else target
+    inner = list(block)
+    for d in range(len(inner)):
+        rest = math.prod(inner[d + 1 :]) * itemsize
+        if math.prod(inner) * itemsize <= target:
+            break
+        best = 1
+        for k in _divisors(block[d]):
+            if k * rest <= target:
+                best = max(best, k)
+        inner[d] = best
+    return tuple(max(1, x) for x in inner)
+
+
+def _divisors(n: int) -> Iterator[int]:
+    i = 1
+    while i * i <= n:
+        if n % i == 0:
+            yield i
+            yield n // i
+        i += 1
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """A flat byte view of a contiguous CPU tensor (any dtype, 0-d and empty included), no copy."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    flat = t.reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+@dataclass(frozen=True)
+class InnerChunk:
+    """One inner chunk of a shard: its position and its region clipped to the array."""
+
+    ordinal: int  # position in the index (C order of the inner grid)
+    coords: tuple[int, ...]  # inner-grid coordinates within the shard
+    start: tuple[int, ...]  # region start in array coordinates
+    stop: tuple[int, ...]  # region stop (exclusive), clipped to the array
+
+    @property
+    def clipped(self) -> bool:
+        return False
+
+    @property
+    def empty(self) -> bool:
+        return any(b <= a for a, b in zip(self.start, self.stop, strict=True))
+
+
+def inner_chunks(meta: ArrayMeta, shard: tuple[int, ...]) -> Iterator[InnerChunk]:
+    """Every inner chunk of a shard, in index order."""
+    origin = [c * s for c, s in zip(shard, meta.chunk_shape, strict=True)]
+    for ordinal, coords in enumerate(itertools.product(*(range(g) for g in meta.inner_grid))):
+        start = tuple(o + c * i for o, c, i in zip(origin, coords, meta.inner_chunk_shape, strict=True))
+        stop = tuple(min(a + i, s) for a, i, s in zip(start, meta.inner_chunk_shape, meta.shape, strict=True))
+        yield InnerChunk(ordinal, coords, start, stop)
+
+
+def is_full(meta: ArrayMeta, c: InnerChunk) -> bool:
+    """True when the inner chunk lies wholly inside the array (no padding in its encoding)."""
+    return all(b - a == i for a, b, i in zip(c.start, c.stop, meta.inner_chunk_shape, strict=True))
+
+
+# -- encoding --------------------------------------------------------------------------------------
+def _compressor(meta: ArrayMeta) -> Any:
+    if meta.compression is None:
+        return None
+    from numcodecs import Zstd
+
+    return Zstd(level=int(meta.compression.get("configuration", {}).get("level", 1)))
+
+
+def encode_shard(meta: ArrayMeta, shard: tuple[int, ...], block: torch.Tensor) -> list[Any]:
+    """Buffers whose concatenation is the shard file for ``block`` (the shard's region clipped to the array).
+
+    Inner chunks that are whole contiguous runs of ``block`` are passed through without a copy.
+    """
+    origin = [c * s for c, s in zip(shard, meta.chunk_shape, strict=True)]
+    block = block.detach().contiguous()
+    raw = as_bytes(block)
+    comp = _compressor(meta)
+    buffers: list[Any] = []
+    index = np.full((meta.n_inner, 2), EMPTY, dtype="<u8")
+    offset = 0
+    itemsize = meta.itemsize
+    for c in inner_chunks(meta, shard):
+        if c.empty:
+            continue
+        local = [slice(a - o, b - o) for a, b, o in zip(c.start, c.stop, origin, strict=True)]
+        span = _contiguous_span(block.shape, local)
+        if is_full(meta, c) and span is not None:
+            data: Any = raw[span[0] * itemsize : span[1] * itemsize]
+        else:
+            padded = torch.zeros(meta.inner_chunk_shape, dtype=block.dtype)
+            padded[tuple(slice(0, b - a) for a, b in zip(c.start, c.stop, strict=True))] = block[tuple(local)]
+            data = as_bytes(padded)
+        if comp is not None:
+            data = comp.encode(np.frombuffer(data, dtype=np.uint8))
+        crc = _CRC.pack(_native.crc32c(data))
+        buffers.append(data)
+        buffers.append(crc)
+        n = memoryview(data).nbytes + 4
+        index[c.ordinal] = (offset, n)
+        offset += n
+    idx = index.tobytes()
+    buffers.append(idx)
+    buffers.append(_CRC.pack(_native.crc32c(idx)))
+    return buffers
+
+
+def shard_digest(buffers: list[Any]) -> int:
+    """The commit record's checksum of a shard file (spec/core.md §7): crc32c of the 4-byte crc32c's
+    of its inner chunks (index order) and of its index, concatenated.
+
+    A crc32c over the whole file would be useless here: every chunk and the index end in their own
+    crc32c, and crc32c(x || crc32c(x)) is a constant, so it would depend on the chunk sizes only and
+    could not tell two equal-sized shards apart. ``buffers`` is what encode_shard returns: data and crc
+    alternate, the index crc last.
+    """
+    return _native.crc32c(b"".join(bytes(b) for b in buffers[1::2]))
+
+
+def file_digest(data: bytes | memoryview, n_inner: int, *, verify: bool = False, where: str = "") -> int:
+    """:func:`shard_digest` of a shard file's bytes. Entries pointing outside the file are skipped, so
+    any bytes digest (for tools that rewrite shards, e.g. the conformance generator); with ``verify``,
+    every present chunk's crc32c and the index's are checked first (ChecksumError naming ``where``)."""
+    data = memoryview(data)
+    n = index_nbytes(n_inner)
+    if len(data) < n:
+        if verify:
+            raise ChecksumError(f"{where}: the shard is shorter than its {n}-byte index", file=where)
+        return _native.crc32c(data)
+    body = data[len(data) - n : len(data) - 4]
+    if verify and _native.crc32c(body) != _CRC.unpack(data[len(data) - 4 :])[0]:
+        raise ChecksumError(f"{where}: shard index fails its crc32c", file=where)
+    crcs = []
+    for i in range(n_inner):
+        off, nb = struct.unpack_from("<QQ", body, 16 * i)
+        if off != EMPTY and nb >= 4 and off + nb <= len(data) - n:
+            stored = bytes(data[off + nb - 4 : off + nb])
+            if verify and _native.crc32c(data[off : off + nb - 4]) != _CRC.unpack(stored)[0]:
+                raise ChecksumError(f"{where}: inner chunk {i} fails its crc32c", file=where)
+            crcs.append(stored)
+    crcs.append(bytes(data[len(data) - 4 :]))
+    return _native.crc32c(b"".join(crcs))
+
+
+def _contiguous_span(shape: tuple[int, ...] | torch.Size, region: list[slice]) -> tuple[int, int] | None:
+    """(first, last+1) element offsets when ``region`` of a C-contiguous array is one contiguous run."""
+    if not region:
+        return (0, 1)
+    # every dim after the first partial one must be full; dims before it must have extent 1
+    k = len(region)
+    for d in range(len(region) - 1, -1, -1):
+        if region[d].start != 0 or region[d].stop != shape[d]:
+            k = d
+            break
+    else:
+        n = math.prod(shape)
+        return (0, n)
+    if any(region[d].stop - region[d].start != 1 for d in range(k)):
+        return None
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    first = sum(r.start * s for r, s in zip(region, strides, strict=True))
+    n = math.prod(r.stop - r.start for r in region)
+    return (first, first + n)
+
+
+# -- decoding --------------------------------------------------------------------------------------
+def parse_index(meta: ArrayMeta, raw: bytes, file_size: int, where: str) -> np.ndarray:
+    """Check and return a shard's index as an (n_inner, 2) uint64 array of (offset, nbytes)."""
+    n = meta.n_inner
+    if len(raw) != index_nbytes(n):
+        raise ShardSizeError(f"{where}: shard of tensor {meta.name!r} is truncated (read {len(raw)} of its "
+                             f"{index_nbytes(n)}-byte index)", tensor=meta.name, file=where)
+    body, crc = raw[:-4], _CRC.unpack(raw[-4:])[0]
+    if _native.crc32c(body) != crc:
+        raise ChecksumError(f"{where}: shard index of tensor {meta.name!r} fails its crc32c", tensor=meta.name, file=where)
+    index = np.frombuffer(body, dtype="<u8").reshape(n, 2)
+    data_end = file_size - index_nbytes(n)
+    present = index[:, 0] != EMPTY
+    if np.any((index[:, 1] == EMPTY) != ~present):
+        raise CorruptShardIndexError(f"{where}: an index entry is half empty", tensor=meta.name, file=where)
+    off = index[present, 0]
+    nb = index[present, 1]
+    if np.any(nb < 4) or np.any(off > data_end) or np.any(nb > data_end) or np.any(off + nb > data_end):
+        raise CorruptShardIndexError(f"{where}: an index entry points outside the shard's {data_end} data bytes",
+                                     tensor=meta.name, file=where)
+    if meta.compression is None and meta.delta is None and np.any(nb != meta.inner_nbytes + 4):
+        raise CorruptShardIndexError(f"{where}: an index entry's length differs from the inner chunk size "
+                                     f"{meta.inner_nbytes} + 4", tensor=meta.name, file=where)
+    order = np.argsort(off)
+    if np.any(off[order][1:] < (off + nb)[order][:-1]):
+        raise CorruptShardIndexError(f"{where}: index entries overlap", tensor=meta.name, file=where)
+    return index
+
+
+def check_chunk(meta: ArrayMeta, data: memoryview, crc: int, where: str, coords: tuple[int, ...]) -> None:
+    if _native.crc32c(data) != crc:
+        raise ChecksumError(f"{where}: inner chunk {list(coords)} of tensor {meta.name!r} fails its crc32c", tensor=meta.name, file=where)
+
+
+def decode_chunk(meta: ArrayMeta, encoded: memoryview, where: str, coords: tuple[int, ...]) -> memoryview:
+    """Inner chunk bytes (without its crc, already checked) -> raw little-endian values."""
+    if meta.compression is None:
+        out = encoded
+    else:
+        comp = _compressor(meta)
+        declared = zstd_content_size(encoded)
+        if declared is not None and declared != meta.inner_nbytes:  # never allocate what a frame claims
+            raise IntegrityError(f"{where}: inner chunk {list(coords)} declares {declared} bytes, expected "
+                                 f"{meta.inner_nbytes}", tensor=meta.name, file=where)
+        try:  # into a buffer of exactly the inner chunk's size: a frame that holds more fails
+            out = memoryview(comp.decode(bytes(encoded), out=np.empty(meta.inner_nbytes, np.uint8))).cast("B")
+        except Exception as e:
+            raise IntegrityError(f"{where}: inner chunk {list(coords)} does not decompress: {e}",
+                                 tensor=meta.name, file=where) from None
+    if out.nbytes != meta.inner_nbytes:
+        raise IntegrityError(f"{where}: inner chunk {list(coords)} decodes to {out.nbytes} bytes, expected "
+                             f"{meta.inner_nbytes}", tensor=meta.name, file=where)
+    return out
+
+
+def zstd_content_size(frame: memoryview | bytes) -> int | None:
+    """The content size a zstd frame header declares (RFC 8878 §3.1.1.1), or None when it has none."""
+    head = bytes(frame[:18])
+    if len(head) < 5 or head[:4] != b"\x28\xb5\x2f\xfd":
+        return None  # not a zstd frame: the decoder says so
+    fhd = head[4]
+    single = (fhd >> 5) & 1
+    pos = 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3]
+    size = (single, 2, 4, 8)[fhd >> 6]
+    if size == 0 or len(head) < pos + size:
+        return None
+    value = int.from_bytes(head[pos : pos + size], "little")
+    return value + 256 if size == 2 else value

@@ -1,0 +1,102 @@
+"""The byte-access interface every backend implements (zarr-python's abc/store.py is the model).
+
+A handful of abstract methods; everything else in ucl is built on them. Keys are '/'-separated paths
+relative to the repository root, built by ucl from escaped names (ucl.format.names); backends still refuse a
+key that could leave the root.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+from ucl.errors import InvalidNameError
+
+Buffer = Any  # anything with the buffer protocol: bytes, memoryview, numpy array
+
+
+def check_key(key: str) -> str:
+    """Refuse keys that are empty, absolute, or contain '.', '..', empty segments or NUL."""
+    if not key or key.startswith("/") or "\x00" in key or "\\" in key:
+        raise InvalidNameError(f"storage key {key!r} is not a relative path", file=key)
+    for seg in key.split("/"):
+        if seg in ("", ".", ".."):
+            raise InvalidNameError(f"storage key {key!r} has a segment {seg!r} that could leave the repository", file=key)
+    return key
+
+
+class Store(ABC):
+    """Byte access to one repository.
+
+    Writes are whole objects: ``write`` returns once the object is durable (fsync'd locally, or
+    acknowledged by the object store); ``write_atomic`` additionally guarantees that a reader sees either
+    nothing or the whole object, which the commit protocol relies on (spec/core.md §7).
+    """
+
+    url: str
+
+    @property
+    def is_local(self) -> bool:
+        return False
+
+    @abstractmethod
+    def read(self, key: str) -> bytes:
+        """The whole object; FileNotFoundError when absent."""
+
+    @abstractmethod
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        """``length`` bytes at ``offset`` (fewer only at the end of the object)."""
+
+    @abstractmethod
+    def write(self, key: str, buffers: Sequence[Buffer], *, durable: bool = True) -> tuple[int, int]:
+        """Write the concatenation of ``buffers``; return (size, crc32c). Durable on return unless
+        ``durable=False``, in which case a later :meth:`sync_all` makes it so."""
+
+    @abstractmethod
+    def write_atomic(self, key: str, data: bytes) -> None:
+        """Write ``data`` so that readers see all of it or nothing, durably."""
+
+    @abstractmethod
+    def size(self, key: str) -> int | None:
+        """Size of the object, or None when absent."""
+
+    @abstractmethod
+    def list_dir(self, prefix: str) -> list[str]:
+        """Names of the immediate children (objects and 'directories') under ``prefix``."""
+
+    @abstractmethod
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete ``prefix`` and everything under it (no error when absent)."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Delete one object (no error when absent)."""
+
+    # -- built on the abstract methods ------------------------------------------------------------
+    def exists(self, key: str) -> bool:
+        return self.size(key) is not None
+
+    def readinto(self, key: str, offset: int, buffers: Sequence[memoryview]) -> int:
+        """Fill ``buffers`` in order from ``offset``; returns the bytes read."""
+        total = sum(b.nbytes for b in buffers)
+        data = self.read_range(key, offset, total)
+        pos = 0
+        for b in buffers:
+            n = min(b.nbytes, len(data) - pos)
+            b[:n] = memoryview(data)[pos : pos + n].cast("B")
+            pos += n
+        return pos
+
+    def sync_dir(self, prefix: str) -> None:
+        """Make directory entries under ``prefix`` durable (object stores need nothing)."""
+
+    def sync_all(self) -> bool:
+        """Make everything written so far durable at once, if the backend can (True), else False."""
+        return not self.is_local
+
+    def close(self) -> None:
+        """Release resources (connections, pools)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"

@@ -1,0 +1,1 @@
+"""Tools over repositories: validate, gc, compact, diff, import/export, and the ``ucl`` command."""
