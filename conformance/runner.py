@@ -398,7 +398,7 @@ def judge(
     if not path.is_dir():
         return False, (
             f"fixture {case.fixture} is missing: fixtures are committed, never regenerated on the fly "
-            "(regenerate on purpose with `python conformance/generate.py --force`)"
+            "(regenerate on purpose with `python -m conformance.generate --force`)"
         )
     exp = case.expected
     verdict, code = exp["verdict"], exp.get("code")

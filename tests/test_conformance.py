@@ -1,6 +1,6 @@
 """The conformance suite (conformance/) through the ucl adapter: one test per case, and the suite's rules.
 
-A missing fixture fails; nothing here regenerates fixtures (``python conformance/generate.py --force``
+A missing fixture fails; nothing here regenerates fixtures (``python -m conformance.generate --force``
 does, on purpose).
 """
 

@@ -1,0 +1,118 @@
+"""Generate the conformance fixtures and case files, once. Both are committed; nothing regenerates them.
+
+Usage, from the repository root::
+
+    python -m conformance.generate            # refuses when conformance/fixtures exists
+    python -m conformance.generate --force    # deliberate regeneration: review `git diff --stat` after
+    python -m conformance.generate --check    # regenerate into a temporary folder and diff (no writes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from . import (
+    commit,
+    compression,
+    dtypes,
+    extensions,
+    gradient_records,
+    hostile,
+    integrity,
+    metadata,
+    names,
+    repository,
+    shapes,
+    sharding,
+)
+from .suite import Suite
+
+HERE = Path(__file__).resolve().parent.parent  # conformance/
+
+# Each module is named for its case file and draws its data from its own seeds. The order is the one
+# single generator's of old, gradient_records (which also seeds torch's global generator) last.
+FEATURES = (
+    dtypes,
+    shapes,
+    names,
+    sharding,
+    compression,
+    repository,
+    extensions,
+    integrity,
+    commit,
+    metadata,
+    hostile,
+    gradient_records,
+)
+
+
+def build(root: Path) -> Suite:
+    suite = Suite()
+    for module in FEATURES:
+        module.build(root, suite.cases(module.__name__.rpartition(".")[2]))
+    return suite
+
+
+def write(out: Path) -> Suite:
+    fixtures = out / "fixtures"
+    fixtures.mkdir(parents=True)
+    suite = build(fixtures)
+    cases = out / "cases"
+    cases.mkdir(parents=True, exist_ok=True)
+    for feature, items in suite.by_feature.items():
+        (cases / f"{feature}.json").write_text(json.dumps(items, indent=2, ensure_ascii=False) + "\n")
+    return suite
+
+
+def _diff(a: Path, b: Path) -> list[str]:
+    out = []
+    cmp = filecmp.dircmp(a, b)
+    out += [f"only in committed: {a / x}" for x in cmp.left_only]
+    out += [f"only in regenerated: {b / x}" for x in cmp.right_only]
+    out += [f"differs: {a / x}" for x in cmp.diff_files]
+    for sub in cmp.common_dirs:
+        out += _diff(a / sub, b / sub)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m conformance.generate", description=__doc__.split("\n")[0])
+    ap.add_argument("--force", action="store_true", help="delete and regenerate fixtures/ and cases/")
+    ap.add_argument(
+        "--check", action="store_true", help="regenerate into a temporary folder and list differences"
+    )
+    a = ap.parse_args(argv)
+    if a.check:
+        with tempfile.TemporaryDirectory() as tmp:
+            write(Path(tmp))
+            diffs = _diff(HERE / "fixtures", Path(tmp) / "fixtures") + _diff(
+                HERE / "cases", Path(tmp) / "cases"
+            )
+        print("\n".join(diffs) or "fixtures and cases are what this script generates")
+        return 1 if diffs else 0
+    if (HERE / "fixtures").exists() and not a.force:
+        print(
+            "conformance/fixtures exists; committed fixtures are regenerated only on purpose (--force)",
+            file=sys.stderr,
+        )
+        return 1
+    for d in ("fixtures", "cases"):
+        shutil.rmtree(HERE / d, ignore_errors=True)
+    suite = write(HERE)
+    n = sum(len(v) for v in suite.by_feature.values())
+    print(
+        f"wrote {n} cases in {len(suite.by_feature)} files; review with `git status conformance` and "
+        "`git diff --stat conformance`"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
