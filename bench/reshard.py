@@ -12,7 +12,7 @@ by columns (shard(1)); 1-D tensors by rows.
   cold page cache: the bytes ucl read (chunks + shard indexes), what the disk delivered, the peak RSS
   increase during the load, the time. Targets: bytes read <= 1.1x the rank's shard (plus indexes);
   peak RSS <= the shard + the reader's bounded buffers (64 MiB of temporaries and decode scratch per
-  batch, ucl.read.checkpoint.FILL_BUFFER_BYTES, + 4 x 8 MiB O_DIRECT bounce buffers).
+  batch, ReadOptions.fill_buffer_bytes, + 4 x 10 MiB pooled O_DIRECT buffers).
 * DCP comparison: 2 processes (gloo, CPU DTensors on a 1-D mesh "tp"): the state saved as DTensors
   Shard(a) by both ucl (CheckpointManager(layout="dtensor")) and DCP (dcp.save), then loaded into
   preallocated DTensors Shard(b) by both (ucl.load_into(layout="dtensor") and dcp.load), cold cache, in
@@ -385,7 +385,7 @@ def report(
         "array too small to split into >= 32 KiB inner chunks, is read in whole inner chunks past the ends "
         "of the box a rank needs). "
         f"Peak RSS <= shard + {BUFFER_BOUND / 2**20:.0f} MiB (at most 64 MiB of temporaries and decode "
-        "scratch per batch, ucl.read.checkpoint.FILL_BUFFER_BYTES, + 4 x 8 MiB O_DIRECT bounce buffers): worst shard "
+        "scratch per batch, ReadOptions.fill_buffer_bytes, + 4 x 10 MiB pooled O_DIRECT buffers): worst shard "
         f"+ {worst_peak / 2**20:.0f} MiB."
     )
     if dist_res is not None:

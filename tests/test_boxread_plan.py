@@ -1,4 +1,4 @@
-"""The reader's planner (ucl/boxread.py): inner chunks that split several dimensions, clipped shards and
+"""The plain reader's planner (ucl/read/chunks.py): inner chunks that split several dimensions, clipped shards and
 padded chunks, read through any box; and the shard digest checked on whole-shard reads."""
 
 from __future__ import annotations
@@ -79,15 +79,16 @@ def test_swapped_shards_fail_whole_reads(tmp_path: Path, monkeypatch: pytest.Mon
                                          direct: bool) -> None:
     from ucl.errors import ChecksumError
     from ucl.format.repository import step_prefix
-    from ucl.read import boxes as boxread
+    import ucl.io.ranges
+    from ucl.options import ReadOptions
 
+    opts = ReadOptions(direct_min_bytes=0 if direct else 256 << 10)
     if direct:
-        monkeypatch.setattr(boxread, "DIRECT_MIN_BYTES", 0)
-        monkeypatch.setattr(boxread, "_mostly_cached", lambda *a: False)
+        monkeypatch.setattr(ucl.io.ranges, "mostly_cached", lambda *a: False)
     t = torch.randn(2 * rows, 24, generator=torch.Generator().manual_seed(1))
     inner = (rows // 4, 8)
     _write(tmp_path / "r", {"w": t}, {"w": (rows, 24)}, {"w": inner})
-    ck = ucl.open(str(tmp_path / "r"))
+    ck = ucl.open(str(tmp_path / "r"), options=opts)
     assert torch.equal(ck.load()["w"], t) and torch.equal(ck["w"][...], t)
     meta = ck["w"].meta
     a = tmp_path / "r" / step_prefix(0) / meta.shard_key((0, 0))
@@ -96,13 +97,13 @@ def test_swapped_shards_fail_whole_reads(tmp_path: Path, monkeypatch: pytest.Mon
     assert len(da) == len(db)
     a.write_bytes(db)
     b.write_bytes(da)
-    ck = ucl.open(str(tmp_path / "r"))
+    ck = ucl.open(str(tmp_path / "r"), options=opts)
     with pytest.raises(ChecksumError, match="does not hold the chunks its commit record names") as e:
         ck.load()
     assert e.value.tensor == "w" and meta.shard_key((0, 0)) in str(e.value)
     with pytest.raises(ChecksumError, match="does not hold the chunks its commit record names"):
-        ucl.open(str(tmp_path / "r"))["w"][...]
+        ucl.open(str(tmp_path / "r"), options=opts)["w"][...]
     with pytest.raises(ChecksumError):
-        ucl.open(str(tmp_path / "r"))["w"][:, 0:24]  # a box covering every chunk of both shards
+        ucl.open(str(tmp_path / "r"), options=opts)["w"][:, 0:24]  # a box covering every chunk of both shards
     # a partial read of one shard passes its chunks' crc32c's (and is not required to see the swap)
-    ucl.open(str(tmp_path / "r"))["w"][1:3, 2:9]
+    ucl.open(str(tmp_path / "r"), options=opts)["w"][1:3, 2:9]

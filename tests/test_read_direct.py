@@ -1,9 +1,11 @@
-"""The reader's O_DIRECT path (ucl/boxread.py): same bytes, same checks, same errors as buffered reads."""
+"""The O_DIRECT path of plain reads (ucl.io.ranges under ucl.read.boxes): same bytes, same checks, same errors
+as buffered reads."""
 
 from __future__ import annotations
 
 import errno
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,10 @@ import torch
 import ucl
 import ucl.format.shardfile
 from ucl.errors import ChecksumError, ShardSizeError
-from ucl.read import boxes as boxread
+import ucl.io.ranges
+from ucl.io.pagecache import mostly_cached
+from ucl.io.ranges import RangeReader
+from ucl.options import ReadOptions
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -46,36 +51,31 @@ def saved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[s
     return tmp_path, st
 
 
+ALL_DIRECT = ReadOptions(direct_min_bytes=1)  # every segment through O_DIRECT, however small
+
+
 @pytest.fixture()
 def direct(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Every segment through O_DIRECT (cached or not, however small); counts the reads that were."""
+    """Every segment through O_DIRECT (cached or not; read with ALL_DIRECT); counts the reads that were."""
     calls = {"direct": 0}
-    orig = boxread._execute_direct
+    orig = RangeReader._read_direct
 
-    def spy(*a):  # type: ignore[no-untyped-def]
-        r = orig(*a)
+    def spy(self, *a):  # type: ignore[no-untyped-def]
+        r = orig(self, *a)
         calls["direct"] += r is not None
         return r
 
-    monkeypatch.setattr(boxread, "_execute_direct", spy)
-    monkeypatch.setattr(boxread, "DIRECT_MIN_BYTES", 1)
-    monkeypatch.setattr(boxread, "_mostly_cached", lambda *a: False)
+    monkeypatch.setattr(RangeReader, "_read_direct", spy)
+    monkeypatch.setattr(ucl.io.ranges, "mostly_cached", lambda *a: False)
     return calls
 
 
 @pytest.mark.parametrize("segment", [8192, 300_004, 1 << 20, 8 << 20])
 def test_direct_reads_are_bit_exact(saved, direct, monkeypatch, segment) -> None:  # type: ignore[no-untyped-def]
     root, st = saved
-    monkeypatch.setattr(boxread, "SEGMENT_BYTES", segment)  # 8192: chunks larger than the bounce buffer
-    monkeypatch.setattr(boxread, "_BOUNCE_FREE", [])
-    paths = {"whole": 0, "stream": 0}
-    for f in paths:
-        orig = getattr(boxread, f"_{f}")
-        monkeypatch.setattr(
-            boxread, f"_{f}", lambda *a, f=f, orig=orig: paths.__setitem__(f, paths[f] + 1) or orig(*a)
-        )
+    opts = replace(ALL_DIRECT, segment_bytes=segment)  # 8192: every segment one chunk
     for repo, names in ((root / "r", "abcd"), (root / "rz", "z")):
-        with ucl.open(repo) as ck:
+        with ucl.open(repo, options=opts) as ck:
             for n in names:
                 t = st[n]
                 assert torch.equal(ck[n][...], t)
@@ -86,8 +86,7 @@ def test_direct_reads_are_bit_exact(saved, direct, monkeypatch, segment) -> None
             out = {n: torch.empty_like(st[n]) for n in names}
             ck.load_into(out)
             assert all(torch.equal(out[n], st[n]) for n in names)
-    assert direct["direct"] > 0 and paths["whole"] > 0
-    assert (paths["stream"] > 0) == (segment < 210_000)
+    assert direct["direct"] > 0
 
 
 def test_cold_segments_go_direct_and_warm_ones_buffered(saved, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -95,22 +94,22 @@ def test_cold_segments_go_direct_and_warm_ones_buffered(saved, monkeypatch) -> N
     fd = os.open(root / "r" / "steps" / "0" / "a" / "c" / "0" / "0", os.O_RDONLY)
     try:
         os.pread(fd, 1 << 20, 0)
-        if boxread._mostly_cached(fd, 0, 1 << 20) is False:
+        if mostly_cached(fd, 0, 1 << 20) is False:
             pytest.skip("the kernel cannot say what is cached (no cachestat)")
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        assert not boxread._mostly_cached(fd, 0, 1 << 20)
+        assert not mostly_cached(fd, 0, 1 << 20)
     finally:
         os.close(fd)
     kinds: list[str] = []
-    orig_d, orig_b = boxread._execute_direct, boxread._execute_buffered
+    orig_d, orig_b = RangeReader._read_direct, RangeReader.readinto
 
-    def d(*a):  # type: ignore[no-untyped-def]
-        r = orig_d(*a)
+    def d(self, *a):  # type: ignore[no-untyped-def]
+        r = orig_d(self, *a)
         kinds.append("d" if r is not None else "-")
         return r
 
-    monkeypatch.setattr(boxread, "_execute_direct", d)
-    monkeypatch.setattr(boxread, "_execute_buffered", lambda *a: kinds.append("b") or orig_b(*a))
+    monkeypatch.setattr(RangeReader, "_read_direct", d)
+    monkeypatch.setattr(RangeReader, "readinto", lambda self, *a: kinds.append("b") or orig_b(self, *a))
     _drop(root)
     assert torch.equal(ucl.open(root / "r")["a"][...], st["a"])
     assert kinds and set(kinds) == {"d"}  # cold: every segment of 'a' (6 MB) through O_DIRECT
@@ -127,18 +126,17 @@ def test_cold_segments_go_direct_and_warm_ones_buffered(saved, monkeypatch) -> N
 @pytest.mark.parametrize("pos", [10, 300_002, 1_000_000])
 def test_direct_reads_check_every_chunk(saved, direct, monkeypatch, segment, pos) -> None:  # type: ignore[no-untyped-def]
     root, _ = saved
-    monkeypatch.setattr(boxread, "SEGMENT_BYTES", segment)
     shard = root / "r" / "steps" / "0" / "a" / "c" / "0" / "0"
     data = bytearray(shard.read_bytes())
     data[pos] ^= 1
     shard.write_bytes(bytes(data))
     with pytest.raises(ChecksumError, match=r"inner chunk \[\d+, 0\] of tensor 'a' fails its crc32c"):
-        ucl.open(root / "r")["a"][...]
+        ucl.open(root / "r", options=replace(ALL_DIRECT, segment_bytes=segment))["a"][...]
 
 
 def test_direct_read_of_a_truncated_shard_raises(saved, direct) -> None:  # type: ignore[no-untyped-def]
     root, _ = saved
-    ck = ucl.open(root / "r")
+    ck = ucl.open(root / "r", options=ALL_DIRECT)
     ck["a"][:1]  # the index is read (and cached) while the shard is whole
     shard = root / "r" / "steps" / "0" / "a" / "c" / "0" / "0"
     os.truncate(shard, shard.stat().st_size // 2)
@@ -156,9 +154,9 @@ def test_filesystem_without_o_direct_falls_back(saved, direct, monkeypatch) -> N
         return real_open(path, flags, *a)
 
     monkeypatch.setattr(os, "open", no_direct)
-    ck = ucl.open(root / "r")
+    ck = ucl.open(root / "r", options=ALL_DIRECT)
     assert torch.equal(ck["a"][...], st["a"])
-    assert not ck._files.direct_ok and direct["direct"] == 0
+    assert not ck._files.ranges.direct and direct["direct"] == 0
 
 
 def test_small_shards_are_read_with_their_index_once(saved) -> None:  # type: ignore[no-untyped-def]
@@ -199,7 +197,7 @@ def test_device_refusing_the_alignment_falls_back(saved, direct, monkeypatch) ->
     def refuse(*a):  # type: ignore[no-untyped-def]
         raise OSError(errno.EINVAL, "Invalid argument")
 
-    monkeypatch.setattr(boxread, "_pread_direct", refuse)
-    ck = ucl.open(root / "r")
+    monkeypatch.setattr(ucl.io.ranges, "pread_direct", refuse)
+    ck = ucl.open(root / "r", options=ALL_DIRECT)
     assert torch.equal(ck["a"][...], st["a"]) and torch.equal(ck["b"][3:600], st["b"][3:600])
-    assert not ck._files.direct_ok and direct["direct"] == 0
+    assert not ck._files.ranges.direct and direct["direct"] == 0

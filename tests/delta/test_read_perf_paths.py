@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,12 +19,12 @@ import torch
 import ucl
 import ucl.delta.chain as chain_mod
 import ucl.format.shardfile
-import ucl.read.chain as read_mod
 from ucl import _delta
 from ucl.delta import bit_view, decode_chunk, encode_chunk
 from ucl.errors import DeltaChainError, UCLError
-from ucl.read import boxes as boxread
-from ucl.read.boxes import Request, StepFiles
+from ucl.options import ChainOptions, ReadOptions
+from ucl.read.chunks import Request
+from ucl.read.files import StepFiles
 from ucl.read.chain import ChainReader
 from ucl.write.manager import CheckpointManager
 from ucl.write.policy import DeltaPolicy
@@ -34,15 +35,15 @@ def bits(t: torch.Tensor) -> bytes:
     return (t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)).numpy().tobytes()
 
 
+# wide: every group in flight at once (errors met in any order); narrow: one group at a time
+_FORCED = ChainOptions(small_bytes=0, parallel_min_bytes=0, group_bytes=1, inflight_bytes=1 << 40, decode_threads=3)
+OPTIONS = {"shipped": ReadOptions(), "forced": ReadOptions(chain=_FORCED),
+           "forced-narrow": ReadOptions(chain=replace(_FORCED, inflight_bytes=1))}
+
+
 @pytest.fixture(params=["shipped", "forced", "forced-narrow"])
 def paths(request, monkeypatch):
     if request.param.startswith("forced"):
-        monkeypatch.setattr(read_mod, "SMALL_BYTES", 0)
-        monkeypatch.setattr(read_mod, "PARALLEL_MIN_BYTES", 0)
-        monkeypatch.setattr(read_mod, "GROUP_BYTES", 1)
-        # wide: every group in flight at once (errors met in any order); narrow: one group at a time
-        monkeypatch.setattr(read_mod, "INFLIGHT_BYTES", 1 if request.param.endswith("narrow") else 1 << 40)
-        monkeypatch.setattr(read_mod, "DECODE_THREADS", 3)
         monkeypatch.setattr(chain_mod, "APPLY_MIN_WORDS", 1)
     return request.param
 
@@ -98,7 +99,7 @@ def chains(tmp_path_factory) -> dict[str, tuple[Path, dict[int, dict[str, torch.
     return out
 
 
-def _reader(path: str | Path, step: int) -> ChainReader:
+def _reader(path: str | Path, step: int, options: ReadOptions = ReadOptions()) -> ChainReader:
     repo = ucl.Repository.open(path)
     cache: dict[int, tuple[object, StepFiles]] = {}
 
@@ -108,7 +109,7 @@ def _reader(path: str | Path, step: int) -> ChainReader:
             cache[s] = (repo.step_meta(s, rec), StepFiles(repo.store, s, rec))
         return cache[s]
 
-    return ChainReader(step, get)  # type: ignore[arg-type]
+    return ChainReader(step, get, options=options)  # type: ignore[arg-type]
 
 
 def _request(r: ChainReader, name: str, box: tuple[slice, ...] | None = None) -> Request:
@@ -137,13 +138,13 @@ BOXES = {
 def test_every_step_bit_exact_whole_and_sliced(chains, paths, base) -> None:
     root, saved = chains[base]
     for step, want in saved.items():
-        got = ucl.load(root, step, flat=True)  # through Checkpoint: ChainReader.read per tensor
+        got = ucl.load(root, step, flat=True, options=OPTIONS[paths])  # through Checkpoint: ChainReader.read per tensor
         assert got.keys() == want.keys()
         for n in want:
             assert got[n].dtype == want[n].dtype and bits(got[n]) == bits(want[n]), (step, n)
         if step == 0:
             continue
-        r = _reader(root, step)
+        r = _reader(root, step, OPTIONS[paths])
         reqs = [_request(r, n) for n in want]
         r.read_many(reqs)  # every tensor in one pipeline
         for q in reqs:
@@ -163,11 +164,10 @@ def test_reads_after_the_page_cache_is_dropped_and_buffered_only(chains, paths, 
             fd = os.open(f, os.O_RDONLY)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
-    monkeypatch.setattr(boxread, "DIRECT_MIN_BYTES", 1)  # every read O_DIRECT (where the kernel allows it)
-    got = ucl.load(root, 5, flat=True)
+    # every read O_DIRECT (where the kernel allows it), then every read buffered
+    got = ucl.load(root, 5, flat=True, options=replace(OPTIONS[paths], direct_min_bytes=1))
     assert all(bits(got[n]) == bits(t) for n, t in saved[5].items())
-    monkeypatch.setattr(boxread, "DIRECT", False)
-    got = ucl.load(root, 4, flat=True)
+    got = ucl.load(root, 4, flat=True, options=replace(OPTIONS[paths], direct=False))
     assert all(bits(got[n]) == bits(t) for n, t in saved[4].items())
 
 
@@ -183,13 +183,13 @@ def test_a_memory_store_reads_the_same(paths) -> None:
             _step(state, k, g)
         mgr.wait()
     for k, want in saved.items():
-        got = ucl.load(url, k, flat=True)
+        got = ucl.load(url, k, flat=True, options=OPTIONS[paths])
         assert all(bits(got[n]) == bits(t) for n, t in want.items())
 
 
 def test_concurrent_reads_on_one_reader(chains, paths) -> None:
     root, saved = chains["previous"]
-    r = _reader(root, 5)
+    r = _reader(root, 5, OPTIONS[paths])
     errors: list[BaseException] = []
 
     def work(i: int) -> None:
@@ -231,12 +231,12 @@ def _raised(fn) -> BaseException:  # type: ignore[no-untyped-def]
     raise AssertionError("no error")
 
 
-def _same_error(root: Path, step: int, names: list[str]) -> BaseException:
+def _same_error(root: Path, step: int, names: list[str], options: ReadOptions = ReadOptions()) -> BaseException:
     """Read ``names`` of ``step`` three ways: each must raise, with the same error type, code and message."""
-    r = _reader(root, step)
+    r = _reader(root, step, options)
     seq = _raised(lambda: [r.read_sequential(_request(r, n)) for n in names])
-    many = _raised(lambda: _reader(root, step).read_many([_request(r, n) for n in names]))
-    one = _raised(lambda: [_reader(root, step).read(_request(r, n)) for n in names])
+    many = _raised(lambda: _reader(root, step, options).read_many([_request(r, n) for n in names]))
+    one = _raised(lambda: [_reader(root, step, options).read(_request(r, n)) for n in names])
     for e in (many, one):
         assert type(e) is type(seq) and str(e) == str(seq), (e, seq)
         if isinstance(seq, UCLError):
@@ -259,13 +259,13 @@ def test_damage_in_a_middle_link_raises_the_same_error(chains, paths, tmp_path, 
     else:
         data[-10] ^= 0x01  # the index
         f.write_bytes(bytes(data))
-    e = _same_error(root, 5, ["frozen", "w", "bf"])
+    e = _same_error(root, 5, ["frozen", "w", "bf"], OPTIONS[paths])
     assert isinstance(e, DeltaChainError) and "step 2" in str(e) and "(a base of step 5)" in str(e), e
     with pytest.raises(DeltaChainError) as info:
-        ucl.load(root, 5)
+        ucl.load(root, 5, options=OPTIONS[paths])
     assert str(info.value) == str(e)
     # the step itself reports its own error, not a broken chain
-    own = _same_error(root, 2, ["w"])
+    own = _same_error(root, 2, ["w"], OPTIONS[paths])
     assert not isinstance(own, DeltaChainError) and own.code in (  # type: ignore[attr-defined]
         "checksum_mismatch", "size_mismatch", "missing_shard", "corrupt_shard_index")
 
@@ -278,14 +278,14 @@ def test_a_malformed_payload_with_a_valid_crc_is_a_format_error_naming_its_step(
     for step in (2, 4):  # the oldest is reported: decoding goes oldest first
         f = _shard(root, step, "w")
         data = bytearray(f.read_bytes())
-        meta = ucl.open(root, step).meta.arrays["w"]
+        meta = ucl.open(root, step, options=OPTIONS[paths]).meta.arrays["w"]
         n = meta.n_inner
         index = np.frombuffer(bytes(data[-(16 * n + 4) : -4]), "<u8").reshape(n, 2)
         off, nb = next((int(o), int(b)) for o, b in index if o != 2**64 - 1)
         data[off + 1 : off + 5] = b"\x00\x00\x00\x00"  # the first frame's magic: not a zstd frame
         data[off + nb - 4 : off + nb] = _native.crc32c(bytes(data[off : off + nb - 4])).to_bytes(4, "little")
         f.write_bytes(bytes(data))
-    e = _same_error(root, 5, ["w"])
+    e = _same_error(root, 5, ["w"], OPTIONS[paths])
     assert isinstance(e, DeltaChainError) and "of step 2 (a base of step 5): [format_error]" in str(e), e
 
 
@@ -304,7 +304,7 @@ def test_errors_come_in_request_order(chains, paths, tmp_path) -> None:
             f.write_bytes(bytes(data))
     for order in (names, names[::-1], names[2:] + names[:2]):
         for _ in range(3):
-            e = _same_error(root, 4, order)
+            e = _same_error(root, 4, order, OPTIONS[paths])
             assert f"tensor {order[0]!r}" in str(e), (order, e)
 
 
@@ -324,13 +324,13 @@ def test_a_newer_full_payload_makes_an_older_corrupt_link_harmless(paths, tmp_pa
     bad = bytearray(g1.read_bytes())
     bad[100] ^= 0xFF
     g1.write_bytes(bytes(bad))
-    assert torch.equal(ucl.load(tmp_path, 2)["w"], fresh)
-    r = _reader(tmp_path, 2)
+    assert torch.equal(ucl.load(tmp_path, 2, options=OPTIONS[paths])["w"], fresh)
+    r = _reader(tmp_path, 2, OPTIONS[paths])
     q = _request(r, "w")
     r.read_many([q])
     assert bits(q.out) == bits(fresh)
     # the older links are not even read: the same bytes as the plain algorithm
-    seq = _reader(tmp_path, 2)
+    seq = _reader(tmp_path, 2, OPTIONS[paths])
     seq.read_sequential(_request(seq, "w"))
 
     def read_bytes(x: ChainReader) -> int:
@@ -338,7 +338,7 @@ def test_a_newer_full_payload_makes_an_older_corrupt_link_harmless(paths, tmp_pa
 
     assert read_bytes(r) == read_bytes(seq) and read_bytes(r) < 2 * data.__len__()
     with pytest.raises(ucl.errors.ChecksumError, match="crc32c"):  # step 1 itself is damaged
-        ucl.load(tmp_path, 1)
+        ucl.load(tmp_path, 1, options=OPTIONS[paths])
 
 
 # -- the C halves of decode ------------------------------------------------------------------------

@@ -69,7 +69,7 @@ from ucl.format import dtypes, names, structure
 from ucl.format.metadata import ArrayMeta, CommitRecord, StepMeta
 from ucl.format.repository import Repository, check_step
 from ucl.format.shardfile import choose_inner_chunk
-from ucl.read.boxes import Request
+from ucl.read.chunks import Request
 from ucl.read.checkpoint import Checkpoint
 from ucl.read.checkpoint import open as open_step
 from ucl.write.step import StepWriter

@@ -14,7 +14,7 @@ import torch
 
 from ucl.delta.codec import encode_chunk, word_dtype
 from ucl.format.metadata import ArrayMeta
-from ucl.format.shardfile import EMPTY, _contiguous_span, as_bytes, inner_chunks, is_full
+from ucl.format.shardfile import EMPTY, contiguous_span, as_bytes, inner_chunks, is_full
 from ucl.io import native as _native
 
 _CRC = struct.Struct("<I")
@@ -39,7 +39,7 @@ def encode_delta_shard(meta: ArrayMeta, shard: tuple[int, ...], block: torch.Ten
         if c.empty:
             continue
         local = [slice(a - o, b - o) for a, b, o in zip(c.start, c.stop, origin, strict=True)]
-        span = _contiguous_span(block.shape, local)
+        span = contiguous_span(block.shape, local)
         if is_full(meta, c) and span is not None:
             new = raw_new[span[0] * itemsize : span[1] * itemsize]
             old = raw_base[span[0] * itemsize : span[1] * itemsize]

@@ -128,7 +128,7 @@ def encode_shard(meta: ArrayMeta, shard: tuple[int, ...], block: torch.Tensor) -
         if c.empty:
             continue
         local = [slice(a - o, b - o) for a, b, o in zip(c.start, c.stop, origin, strict=True)]
-        span = _contiguous_span(block.shape, local)
+        span = contiguous_span(block.shape, local)
         if is_full(meta, c) and span is not None:
             data: Any = raw[span[0] * itemsize : span[1] * itemsize]
         else:
@@ -186,7 +186,7 @@ def file_digest(data: bytes | memoryview, n_inner: int, *, verify: bool = False,
     return _native.crc32c(b"".join(crcs))
 
 
-def _contiguous_span(shape: tuple[int, ...] | torch.Size, region: list[slice]) -> tuple[int, int] | None:
+def contiguous_span(shape: tuple[int, ...] | torch.Size, region: list[slice]) -> tuple[int, int] | None:
     """(first, last+1) element offsets when ``region`` of a C-contiguous array is one contiguous run."""
     if not region:
         return (0, 1)

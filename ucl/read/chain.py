@@ -36,11 +36,8 @@ work after it is not started.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import itertools
 import math
-import mmap
 import os
 import queue
 import struct
@@ -60,28 +57,17 @@ from ucl.delta.chain import (
     resolve_chain,
 )
 from ucl.delta.codec import ENCODINGS, word_dtype
-from ucl.errors import ChecksumError, CorruptShardIndexError, MissingShardError, ShardSizeError
 from ucl.format.metadata import ArrayMeta, StepMeta
 from ucl.format.records import DeltaRecord
-from ucl.format.shardfile import EMPTY, as_bytes, decode_chunk, index_nbytes, parse_index
-from ucl.read import boxes as boxread
-from ucl.read.boxes import Request, StepFiles, _shards_of
+from ucl.format.shardfile import EMPTY, as_bytes, check_chunk, decode_chunk
+from ucl.io.buffers import shared_pool
+from ucl.io.prefault import Prefaulter
+from ucl.io.ranges import Lease
+from ucl.options import DEFAULT_READ, ReadOptions
+from ucl.read.chunks import Request, covers, shards_of
+from ucl.read.files import StepFiles, absent, missing, truncated
 
 _CRC = struct.Struct("<I")
-_ALIGN = 4096
-
-IO_THREADS = 4  # reads in flight (page-cache copies and device requests)
-DECODE_THREADS = min(8, os.cpu_count() or 1)  # chunk rebuilds (C decoder, GIL released)
-GROUP_BYTES = 32 << 20  # inner chunk bytes x links read, of one group (at least one chunk): the unit of
-#                         fetching and of the in-flight budget
-INFLIGHT_BYTES = 64 << 20  # fetched bytes waiting for their decode (one group at least, whatever its size)
-WHOLE_MAX = 16 << 20  # a shard needed whole and at most this big is read in one request, index included
-SEGMENT_MAX = 16 << 20  # the most one read of adjacent chunks covers
-KEEP_BYTES = 64 << 20  # read buffers kept between reads (by the process), for reuse (warm pages)
-PREFAULT = True  # map fresh destinations ahead of the decoders (boxread._Prefaulter)
-SMALL_BYTES = 256 << 10  # a group reading at most this much is read and rebuilt by one task, not four
-SMALL_BATCH_BYTES = 1 << 20  # consecutive small groups go in one task up to this much
-PARALLEL_MIN_BYTES = 256 << 10  # a smaller inner chunk is decoded payload after payload, on one thread
 
 StepSource = Callable[[int], tuple[StepMeta, StepFiles]]  # step -> its metadata and files (the caller caches)
 
@@ -89,9 +75,12 @@ StepSource = Callable[[int], tuple[StepMeta, StepFiles]]  # step -> its metadata
 class ChainReader:
     """Reads delta-encoded tensors of one step through its chain."""
 
-    def __init__(self, step: int, get: StepSource, max_chain: int = DEFAULT_MAX_CHAIN) -> None:
+    def __init__(self, step: int, get: StepSource, max_chain: int = DEFAULT_MAX_CHAIN,
+                 options: ReadOptions = DEFAULT_READ) -> None:
         self.step = step
         self.get = get
+        self.options = options
+        self.opts = options.chain
 
         def info(s: int) -> StepInfo:
             m, _ = get(s)
@@ -100,7 +89,7 @@ class ChainReader:
         self.steps = resolve_chain(step, info, max_chain)
         self.max_chain = max_chain
         self._links: dict[str, list[ArrayInfo]] = {}
-        self._buffers = _BUFFERS  # shared by every reader of the process: warm pages
+        self._buffers = shared_pool()  # shared by every reader of the process: warm pages
         self._scratch = threading.local()
 
     def links(self, name: str) -> list[ArrayInfo]:
@@ -131,7 +120,8 @@ class ChainReader:
             return
         # destinations not mapped yet (load()'s fresh tensors) are populated on a side thread while
         # the first reads wait for the device (as ucl.read.boxes.read does)
-        pre = boxread._Prefaulter.start_for(list(requests)) if PREFAULT else None
+        pre = (Prefaulter.start_for((r.out.data_ptr(), r.out.nbytes) for r in requests)
+               if self.options.prefault else None)
         try:
             _Run(self, groups, errors).run()
         finally:
@@ -167,14 +157,14 @@ class ChainReader:
         if off == EMPTY:
             if chunked:
                 return None
-            raise _absent(key, ordinal, name)
+            raise absent(key, ordinal, name)
         try:
             raw = files.store.read_range(key, off, nb)
         except (FileNotFoundError, NotADirectoryError):
-            raise _missing(key, name) from None
+            raise missing(key, name) from None
         files.count(len(raw))
         if len(raw) != nb:
-            raise _truncated(key, name)
+            raise truncated(key, name)
         return _checked(arr, files, key, ordinal, memoryview(raw), chunked)
 
     # -- planning ----------------------------------------------------------------------------------
@@ -194,6 +184,7 @@ class ChainReader:
                 break
             fetched = [(link, m) for link, m in zip(links, metas, strict=True) if link.kind != "unchanged"]
             word = word_dtype(meta.itemsize)
+            stop = tuple(a + n for a, n in zip(req.start, req.shape, strict=True))
             out_bytes = as_bytes(req.out)
             out_words = np.frombuffer(out_bytes, dtype=word)
             dst_cells = None
@@ -201,9 +192,9 @@ class ChainReader:
             wpe = meta.itemsize // word.itemsize  # words per element (2 for complex128)
             cur: _Group | None = None
             for shard, ordinal, whole, src, dst in _chunks_of(req):
-                full = cur is not None and (cur.nbytes + meta.inner_nbytes) * len(fetched) > GROUP_BYTES
+                full = cur is not None and (cur.nbytes + meta.inner_nbytes) * len(fetched) > self.opts.group_bytes
                 if cur is None or cur.shard != shard or full:
-                    cur = _Group(meta, shard, links, fetched, _covers(meta, shard, req.start, req.shape))
+                    cur = _Group(meta, shard, links, fetched, covers(meta, shard, req.start, stop))
                     groups.append(cur)
                 direct = None
                 run = _run_of(dst, req.shape) if whole else None
@@ -233,7 +224,7 @@ class ChainReader:
 
     # -- the pieces the pipeline runs ------------------------------------------------------------
     def _pools_get(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
-        return _pools()
+        return _pools(self.opts.io_threads, self.opts.decode_threads)
 
     def _fetch(self, f: _Fetch) -> None:
         """Read what the group needs of one link's shard; keep each chunk's outcome (never raises)."""
@@ -252,7 +243,7 @@ class ChainReader:
         for ordinal in f.ordinals:
             off, nb = int(index[ordinal, 0]), int(index[ordinal, 1])
             if off == EMPTY:
-                res[ordinal] = None if chunked else _absent(key, ordinal, name)
+                res[ordinal] = None if chunked else absent(key, ordinal, name)
             elif data is not None:
                 res[ordinal] = self._outcome(arr, files, key, ordinal, data[off : off + nb], chunked)
             else:
@@ -262,7 +253,7 @@ class ChainReader:
         spans.sort()
         seg: list[tuple[int, int, int]] = []
         for s in spans:
-            if seg and (s[0] != seg[-1][0] + seg[-1][1] or s[0] + s[1] - seg[0][0] > SEGMENT_MAX):
+            if seg and (s[0] != seg[-1][0] + seg[-1][1] or s[0] + s[1] - seg[0][0] > self.opts.segment_max_bytes):
                 self._segment(f, key, seg, chunked)
                 seg = []
             seg.append(s)
@@ -276,7 +267,7 @@ class ChainReader:
             got = self._pread(files, key, start, end - start, f)
         except (FileNotFoundError, NotADirectoryError):
             for _, _, ordinal in seg:
-                f.results[ordinal] = _missing(key, arr.name)
+                f.results[ordinal] = missing(key, arr.name)
             return
         except Exception as e:  # noqa: BLE001 - an I/O error: what reading each of these chunks raises
             for _, _, ordinal in seg:
@@ -285,7 +276,7 @@ class ChainReader:
         for off, nb, ordinal in seg:
             part = got[off - start : off - start + nb]
             f.results[ordinal] = (self._outcome(arr, files, key, ordinal, part, chunked) if len(part) == nb
-                                  else _truncated(key, arr.name))
+                                  else truncated(key, arr.name))
 
     def _outcome(self, arr: ArrayMeta, files: StepFiles, key: str, ordinal: int, raw: memoryview,
                  chunked: bool) -> Any:
@@ -296,85 +287,28 @@ class ChainReader:
 
     def _index(self, files: StepFiles, arr: ArrayMeta, shard: tuple[int, ...], whole: bool,
                f: _Fetch) -> tuple[np.ndarray, memoryview | None]:
-        """The shard's checked index (as ``files.index``), and the whole file when it was read whole."""
-        cached = files.indexes.get((arr.name, shard))
-        rec = files.record.files.get(f.rel)
-        if rec is None:
-            files.shard(arr, shard)  # raises its missing_shard
-        if cached is not None:
-            return cached, None
-        key, size = f"{files.prefix}/{f.rel}", rec[0]  # type: ignore[index]
-        n = index_nbytes(arr.n_inner)
-        if not whole or size > WHOLE_MAX or size < n:
+        """The shard's checked index (as ``files.index``), and the whole file when it was read whole (a
+        shard needed whole, at most ``whole_max_bytes``, whose index is not cached yet)."""
+        key, size = files.shard(arr, shard)  # raises its missing_shard
+        if not whole or size > self.opts.whole_max_bytes:
             return files.index(arr, shard), None
-        try:
-            data = self._pread(files, key, 0, size, f)
-        except (FileNotFoundError, NotADirectoryError):
-            raise _missing(key, arr.name) from None
-        idx = parse_index(arr, bytes(data[size - n :]), size, key)  # a copy: the buffer is reused later
-        files.indexes[(arr.name, shard)] = idx
-        return idx, data
+        idx, got = files.whole(arr, shard)
+        return idx, self._hold(got, f)
 
     def _pread(self, files: StepFiles, key: str, offset: int, length: int, f: _Fetch) -> memoryview:
-        """``length`` bytes at ``offset`` (fewer only at the end of the file), counted; local files are
-        read into a reused buffer that the fetch holds until its group is rebuilt: with O_DIRECT when
-        the range is large and not in the page cache (as ucl.read.boxes: the device writes the buffer, no
-        page-cache copy, no readahead), else buffered."""
-        path = files.local_path(key)
-        if path is None:
-            raw = files.store.read_range(key, offset, length)
-            files.count(len(raw))
-            return memoryview(raw)
-        if boxread.DIRECT and files.direct_ok and length >= boxread.DIRECT_MIN_BYTES:
-            got_direct = self._pread_direct(files, path, offset, length, f)
-            if got_direct is not None:
-                files.count(got_direct.nbytes)
-                return got_direct
-        buf = self._buffers.get(length)
-        f.buffers.append(buf)
-        mv = memoryview(buf)[:length]  # type: ignore[arg-type]
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            got = 0
-            while got < length:
-                k = os.preadv(fd, [mv[got:]], offset + got)
-                if k == 0:
-                    break
-                got += k
-        finally:
-            os.close(fd)
-        files.count(got)
-        return mv[:got]
+        """``length`` bytes at ``offset`` (fewer only at the end of the file), counted: through the step's
+        range reader (local files: a pooled buffer the fetch holds until its group is rebuilt; O_DIRECT
+        when the range is large and not in the page cache)."""
+        view = self._hold(files.read(key, offset, length), f)
+        assert view is not None
+        return view
 
-    def _pread_direct(self, files: StepFiles, path: str, offset: int, length: int,
-                      f: _Fetch) -> memoryview | None:
-        """The range read with O_DIRECT into an aligned buffer, or None: mostly cached (a buffered read is
-        faster then), or a filesystem without O_DIRECT (remembered)."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-        except OSError as e:
-            if e.errno == errno.EINVAL:  # no O_DIRECT here (tmpfs, some FUSE)
-                files.direct_ok = False
-            return None  # a missing file: the buffered open says so
-        try:
-            if boxread._mostly_cached(fd, offset, length):
-                return None
-            base = offset - offset % _ALIGN
-            span = -(-(offset + length - base) // _ALIGN) * _ALIGN
-            buf = self._buffers.get(span + _ALIGN)
-            f.buffers.append(buf)
-            skip = -buf.ctypes.data % _ALIGN
-            mv = memoryview(buf)[skip : skip + span]  # type: ignore[arg-type]
-            try:
-                got = boxread._pread_direct(fd, mv, base)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                files.direct_ok = False  # the device wants more alignment: buffered from now on
-                return None
-            return mv[offset - base : max(offset - base, min(got, offset + length - base))]
-        finally:
-            os.close(fd)
+    @staticmethod
+    def _hold(got: Lease | memoryview | None, f: _Fetch) -> memoryview | None:
+        if isinstance(got, Lease):
+            f.leases.append(got)
+            return got.view
+        return got
 
     def _rebuild(self, g: _Group, job: _Job) -> None:
         """Rebuild one chunk from its group's fetched outcomes, into its destination."""
@@ -400,10 +334,10 @@ class ChainReader:
             taken.append(self._buffers.get(n))
             return taken[-1][:n]
 
-        par = meta.inner_nbytes >= PARALLEL_MIN_BYTES
+        par = meta.inner_nbytes >= self.opts.parallel_min_bytes
         try:
             reconstruct_inner(g.links, job.coords, replay, out, run=self._run_tasks if par else None,
-                              scratch=scratch, parts=DECODE_THREADS)
+                              scratch=scratch, parts=self.opts.decode_threads)
         finally:
             for b in taken:
                 self._buffers.put(b)
@@ -415,7 +349,7 @@ class ChainReader:
         """Call every function, on the calling thread and idle decode threads; results in order. Never
         waits for a task that has not started (it runs it itself), so rebuilds running on every decode
         thread cannot deadlock."""
-        if len(fns) == 1 or DECODE_THREADS == 1:
+        if len(fns) == 1 or self.opts.decode_threads == 1:
             return [f() for f in fns]
         results: list[Any] = [None] * len(fns)
         todo = iter(range(len(fns)))
@@ -430,7 +364,7 @@ class ChainReader:
                 results[i] = fns[i]()
 
         _, cpu = self._pools_get()
-        helpers = [cpu.submit(work) for _ in range(min(len(fns), DECODE_THREADS) - 1)]
+        helpers = [cpu.submit(work) for _ in range(min(len(fns), self.opts.decode_threads) - 1)]
         try:
             work()
         finally:
@@ -464,7 +398,7 @@ class _Job:
 class _Fetch:
     """What one group needs of one link's shard, and what reading it gave."""
 
-    __slots__ = ("step", "arr", "files", "shard", "rel", "ordinals", "whole", "results", "error", "buffers")
+    __slots__ = ("step", "arr", "files", "shard", "rel", "ordinals", "whole", "results", "error", "leases")
 
     def __init__(self, step: int, arr: ArrayMeta, files: StepFiles, shard: tuple[int, ...], rel: str,
                  ordinals: list[int], whole: bool) -> None:
@@ -473,7 +407,7 @@ class _Fetch:
         self.whole = whole
         self.results: dict[int, Any] = {}  # ordinal -> payload | None (absent) | the error reading it raised
         self.error: BaseException | None = None  # what reading any chunk of the shard raises (its index)
-        self.buffers: list[np.ndarray] = []
+        self.leases: list[Lease] = []  # pooled buffers the results point into, released once rebuilt
 
 
 class _Group:
@@ -513,21 +447,22 @@ class _Run:
 
     def run(self) -> None:
         io, cpu = self.r._pools_get()
+        o = self.r.opts
         fatal: BaseException | None = None
         nxt = 0
         try:
             while True:
                 while (fatal is None and nxt < len(self.groups) and self.groups[nxt].first < self.cut
-                       and (self.inflight == 0 or self.inflight + self.groups[nxt].cost <= INFLIGHT_BYTES)):
+                       and (self.inflight == 0 or self.inflight + self.groups[nxt].cost <= o.inflight_bytes)):
                     g = self.groups[nxt]
-                    if g.cost > SMALL_BYTES:
+                    if g.cost > o.small_bytes:
                         self._start(io, g)
                         nxt += 1
                         continue
                     # small groups: several in one task (their reads are latency, not bandwidth)
                     batch, cost = [], 0
-                    while (nxt < len(self.groups) and self.groups[nxt].cost <= SMALL_BYTES
-                           and self.groups[nxt].first < self.cut and cost < SMALL_BATCH_BYTES):
+                    while (nxt < len(self.groups) and self.groups[nxt].cost <= o.small_bytes
+                           and self.groups[nxt].first < self.cut and cost < o.small_batch_bytes):
                         batch.append(self.groups[nxt])
                         cost += self.groups[nxt].cost
                         nxt += 1
@@ -565,7 +500,7 @@ class _Run:
             while self.running:  # on an unexpected error: nothing of this read keeps running after it returns
                 self.events.get()
                 self.running -= 1
-            self.r._buffers.trim(KEEP_BYTES)
+            self.r._buffers.trim(self.r.options.keep_buffer_bytes)
         if fatal is not None:
             raise fatal
         if self.errors:
@@ -620,9 +555,9 @@ class _Run:
         g.left -= 1
         if g.left == 0:  # every chunk of the group rebuilt (or skipped): its buffers go back
             for f in g.fetches:
-                for b in f.buffers:
-                    self.r._buffers.put(b)
-                f.buffers.clear()
+                for lease in f.leases:
+                    lease.release()
+                f.leases.clear()
                 f.results.clear()
             self.inflight -= g.cost
 
@@ -654,73 +589,19 @@ def _older(g: _Group) -> list[_Fetch]:
     return older
 
 
-class _Buffers:
-    """Read buffers by power-of-two capacity, reused across reads (touching fresh pages costs more
-    than the copy into them). Those of HUGE bytes or more are private anonymous memory, 2 MiB-aligned,
-    huge pages where the kernel allows (as ucl.read.boxes's bounce buffers): physically contiguous memory
-    lets the block layer build large O_DIRECT requests (on this project's virtual disks, ~1.7x faster
-    than the small ones scattered 4 KiB pages give)."""
-
-    HUGE = 2 << 20
-
-    def __init__(self) -> None:
-        self._free: dict[int, list[np.ndarray]] = {}
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    @classmethod
-    def capacity(cls, n: int) -> int:
-        """Sizes come in steps: powers of two up to HUGE, then multiples of HUGE (less waste)."""
-        if n <= cls.HUGE:
-            return max(1 << 16, 1 << (max(n, 1) - 1).bit_length())
-        return -(-n // cls.HUGE) * cls.HUGE
-
-    def get(self, n: int) -> np.ndarray:
-        cap = self.capacity(n)
-        with self._lock:  # the smallest free one that fits, up to twice the size: warm pages beat fresh ones
-            fits = [c for c, free in self._free.items() if free and cap <= c <= 2 * cap]
-            if fits:
-                c = min(fits)
-                self._bytes -= c
-                return self._free[c].pop()
-        if cap < self.HUGE:
-            return np.empty(cap, np.uint8)
-        mm = mmap.mmap(-1, cap + self.HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mm, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
-            with contextlib.suppress(OSError):
-                mm.madvise(mmap.MADV_HUGEPAGE)
-        a = np.frombuffer(mm, dtype=np.uint8)  # keeps the mapping alive; unmapped when the last view goes
-        skip = -a.ctypes.data % self.HUGE
-        return a[skip : skip + cap]
-
-    def put(self, b: np.ndarray) -> None:
-        with self._lock:
-            self._free.setdefault(b.nbytes, []).append(b)
-            self._bytes += b.nbytes
-
-    def trim(self, keep: int) -> None:
-        with self._lock:
-            for cap in sorted(self._free):  # the small ones go first: the large ones cost most to make
-                free = self._free[cap]
-                while free and self._bytes > keep:
-                    free.pop()
-                    self._bytes -= cap
-
-
-_BUFFERS = _Buffers()  # at most KEEP_BYTES of them stay between reads (as ucl.read.boxes's bounce buffers)
 _POOLS: tuple[tuple[int, int, int], ThreadPoolExecutor, ThreadPoolExecutor] | None = None
 _POOLS_LOCK = threading.Lock()
 
 
-def _pools() -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+def _pools(io_threads: int, decode_threads: int) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
     """The process's I/O and decode pools (every reader shares them: their tasks never wait for each
     other). Made again in a forked child, whose copies have no threads."""
     global _POOLS
-    key = (os.getpid(), IO_THREADS, DECODE_THREADS)
+    key = (os.getpid(), io_threads, decode_threads)
     with _POOLS_LOCK:
         if _POOLS is None or _POOLS[0] != key:  # idle threads of pools dropped here exit with them
-            _POOLS = (key, ThreadPoolExecutor(IO_THREADS, thread_name_prefix="ucl-delta-io"),
-                      ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="ucl-delta-decode"))
+            _POOLS = (key, ThreadPoolExecutor(io_threads, thread_name_prefix="ucl-delta-io"),
+                      ThreadPoolExecutor(decode_threads, thread_name_prefix="ucl-delta-decode"))
         return _POOLS[1], _POOLS[2]
 
 
@@ -731,7 +612,7 @@ def _chunks_of(req: Request) -> Any:
     array's edge)."""
     meta = req.meta
     stop = tuple(a + n for a, n in zip(req.start, req.shape, strict=True))
-    for shard in _shards_of(meta, req.start, stop):
+    for shard in shards_of(meta, req.start, stop):
         origin = [c * s for c, s in zip(shard, meta.chunk_shape, strict=True)]
         ranges = []
         for d in range(len(shard)):
@@ -768,11 +649,6 @@ def _cells(buf: Any, itemsize: int, shape: tuple[int, ...]) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.dtype((np.void, itemsize))).reshape(shape)
 
 
-def _covers(meta: ArrayMeta, shard: tuple[int, ...], start: tuple[int, ...], shape: tuple[int, ...]) -> bool:
-    for c, cs, n, a, k in zip(shard, meta.chunk_shape, meta.shape, start, shape, strict=True):
-        if a > c * cs or a + k < min((c + 1) * cs, n):
-            return False
-    return True
 
 
 def _in_bounds(meta: ArrayMeta, shard: tuple[int, ...]) -> int:
@@ -786,26 +662,15 @@ def _in_bounds(meta: ArrayMeta, shard: tuple[int, ...]) -> int:
 
 def _checked(arr: ArrayMeta, files: StepFiles, key: str, ordinal: int, raw: memoryview, chunked: bool) -> Any:
     """A chunk's stored bytes (payload and crc32c) -> the payload, crc verified (a full link: its values)."""
-    from ucl.io import native as _native
-
     data = raw[:-4]
-    if _native.crc32c(data) != _CRC.unpack(raw[-4:])[0]:
-        raise ChecksumError(f"{key}: inner chunk {ordinal} of tensor {arr.name!r} (step {files.step}) fails "
-                            "its crc32c", tensor=arr.name, file=key)
+    check_chunk(arr, data, _CRC.unpack(raw[-4:])[0], key, (ordinal,))
     return data if chunked else decode_chunk(arr, data, key, (ordinal,))
 
 
-def _absent(key: str, ordinal: int, name: str) -> CorruptShardIndexError:
-    return CorruptShardIndexError(f"{key}: inner chunk {ordinal} of tensor {name!r} is absent from its shard",
-                                  tensor=name, file=key)
 
 
-def _missing(key: str, name: str) -> MissingShardError:
-    return MissingShardError(f"shard {key} of tensor {name!r} is missing", tensor=name, file=key)
 
 
-def _truncated(key: str, name: str) -> ShardSizeError:
-    return ShardSizeError(f"{key}: the shard of tensor {name!r} is truncated", tensor=name, file=key)
 
 
 def needs_chain(meta: ArrayMeta) -> bool:

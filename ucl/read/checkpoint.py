@@ -28,12 +28,12 @@ from ucl.format import structure
 from ucl.format.metadata import ArrayMeta, CommitRecord, StepMeta
 from ucl.format.repository import Repository
 from ucl.io.stores.base import Store
+from ucl.options import DEFAULT_READ, ReadOptions
 from ucl.plan.copies import BoxCopy
-from ucl.read.boxes import Request, StepFiles, read
+from ucl.read.boxes import read
+from ucl.read.chunks import Request
+from ucl.read.files import StepFiles, step_files
 from ucl.read.tensors import LazyTensor, LogicalTensor, ReplayedTensor, alloc
-
-READ_THREADS = 4
-FILL_BUFFER_BYTES = 64 << 20  # temporaries + decode scratch of one batch of box reads (the memory bound)
 
 
 class Checkpoint:
@@ -48,12 +48,13 @@ class Checkpoint:
     """
 
     def __init__(self, repo: Repository, step: int, record: CommitRecord, meta: StepMeta, *,
-                 approximate: bool = False, _depth: int = 0) -> None:
+                 approximate: bool = False, options: ReadOptions = DEFAULT_READ, _depth: int = 0) -> None:
         self.repo = repo
         self.step = step
         self.record = record
         self.meta = meta
-        self._files = StepFiles(repo.store, step, record)
+        self.options = options
+        self._files = step_files(repo.store, step, record, options)
         self._pool: ThreadPoolExecutor | None = None
         self._chain_steps: dict[int, tuple[StepMeta, StepFiles]] = {step: (meta, self._files)}
         self._chain: Any = None
@@ -145,7 +146,8 @@ class Checkpoint:
                 base = self.records.base_step
                 record = self.repo.commit_record(base)
                 self._parent = Checkpoint(self.repo, base, record, self.repo.step_meta(base, record),
-                                          approximate=self.approximate, _depth=self._depth + 1)
+                                          approximate=self.approximate, options=self.options,
+                                          _depth=self._depth + 1)
             return self._parent
 
     def _replayed(self) -> dict[str, torch.Tensor]:
@@ -252,9 +254,9 @@ class Checkpoint:
         if self._pool is None and sum(r.meta.nbytes for r in plain) > 8 << 20:
             with self._lock:  # zarr views read from several threads at once
                 if self._pool is None:
-                    self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ucl-read")
+                    self._pool = ThreadPoolExecutor(self.options.threads, thread_name_prefix="ucl-read")
         if plain:
-            read(self._files, plain, self._pool)
+            read(self._files, plain, self._pool, self.options)
         if chained:  # delta-encoded tensors: through the step's chain (spec/delta.md §6.3), as one pipeline
             self._chain_reader().read_many(chained)
 
@@ -263,13 +265,13 @@ class Checkpoint:
             if self._chain is None:
                 from ucl.read.chain import ChainReader
 
-                self._chain = ChainReader(self.step, self._step_source)
+                self._chain = ChainReader(self.step, self._step_source, options=self.options)
             return self._chain
 
     def _step_source(self, step: int) -> tuple[StepMeta, StepFiles]:
         if step not in self._chain_steps:
             record = self.repo.commit_record(step)
-            self._chain_steps[step] = (self.repo.step_meta(step, record), StepFiles(self.repo.store, step, record))
+            self._chain_steps[step] = (self.repo.step_meta(step, record), step_files(self.repo.store, step, record, self.options))
         return self._chain_steps[step]
 
     def load(self, *, flat: bool = False) -> Any:
@@ -330,9 +332,9 @@ class Checkpoint:
         """Copy stored boxes into destination boxes (spec/layout.md copy rule: row-major order to row-major
         order), read concurrently in batches. A box that is one contiguous run of its destination is read
         straight into it; others (and partial sums) go through a temporary. Each batch holds at most
-        ``buffer_bytes`` (default FILL_BUFFER_BYTES) of temporaries and estimated decode scratch; larger
+        ``buffer_bytes`` (default ``options.fill_buffer_bytes``) of temporaries and estimated decode scratch; larger
         boxes are split. Ops are applied in order (a partial sum's contribution 0 before the others)."""
-        budget = FILL_BUFFER_BYTES if buffer_bytes is None else max(1, buffer_bytes)
+        budget = self.options.fill_buffer_bytes if buffer_bytes is None else max(1, buffer_bytes)
         batch: list[Request] = []
         post: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
         cost = 0
@@ -386,7 +388,8 @@ class Checkpoint:
 
 
 def open(path: str | os.PathLike[str] | Store, step: int | None = None, *,  # noqa: A001
-         storage_options: dict[str, Any] | None = None, approximate: bool = False) -> Checkpoint:
+         storage_options: dict[str, Any] | None = None, approximate: bool = False,
+         options: ReadOptions = DEFAULT_READ) -> Checkpoint:
     """Open a committed step (the latest when ``step`` is None) for lazy reading.
 
     Parameters
@@ -399,6 +402,8 @@ def open(path: str | os.PathLike[str] | Store, step: int | None = None, *,  # no
         For a gradient-record step (spec/delta.md §8) whose optimizer fingerprint differs from this
         environment: replay it anyway (a ``ReplayWarning``; ``Checkpoint.exact`` is False) instead of
         failing with ``unknown_extension``.
+    options
+        How to read (:class:`ucl.options.ReadOptions`: threads, O_DIRECT, buffer bounds); never what.
 
     Raises
     ------
@@ -413,6 +418,6 @@ def open(path: str | os.PathLike[str] | Store, step: int | None = None, *,  # no
         if step is None:
             raise CheckpointNotFoundError(f"{repo.url} has no committed step", file=repo.url)
     record = repo.commit_record(step)
-    return Checkpoint(repo, step, record, repo.step_meta(step, record), approximate=approximate)
+    return Checkpoint(repo, step, record, repo.step_meta(step, record), approximate=approximate, options=options)
 
 

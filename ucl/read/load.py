@@ -1,12 +1,13 @@
 """``ucl.load`` and ``ucl.load_into``: a whole step, a selection of its tensors, or one rank's local state
 under any target parallel configuration (spec/layout.md).
 
-Without a layout, a load is the step's state dict as saved (:meth:`ucl.Checkpoint.load`). A step saved under a layout stores what each rank held, as regular blocks of one Zarr array per tensor,
-with records saying how those blocks map to the logical tensors. A load for a *target* configuration
-(layout, mesh, rank) plans, without I/O, which stored boxes hold the elements of this rank's local
-tensors (:func:`ucl.plan.layout_load.plan_load`), then reads only those boxes (and, in them, only the inner chunks
-it needs) concurrently, straight into the destination tensors where the box is one contiguous run of
-them, else through a bounded temporary.
+Without a layout, a load is the step's state dict as saved (:meth:`ucl.Checkpoint.load`). A step saved
+under a layout stores what each rank held, as regular blocks of one Zarr array per tensor, with records
+saying how those blocks map to the logical tensors. A load for a *target* configuration (layout, mesh,
+rank) plans, without I/O, which stored boxes hold the elements of this rank's local tensors
+(:func:`ucl.plan.plan_load`), then reads only those boxes (and, in them, only the inner chunks it needs)
+concurrently, straight into the destination tensors where the box is one contiguous run of them, else
+through a bounded temporary.
 
 ::
 
@@ -33,6 +34,7 @@ import torch
 from ucl.errors import InvalidArgumentError, LayoutShapeError, MeshMismatchError, TensorNotFoundError
 from ucl.format import structure
 from ucl.io.stores.base import Store
+from ucl.options import DEFAULT_READ, ReadOptions
 from ucl.plan.copies import BoxCopy
 from ucl.plan.save import spec_for_meta
 from ucl.read.checkpoint import Checkpoint
@@ -59,6 +61,7 @@ def load(
     approximate: bool = False,
     storage_options: dict[str, Any] | None = None,
     buffer_bytes: int | None = None,
+    options: ReadOptions = DEFAULT_READ,
 ) -> Any:
     """Read a step: its state dict as saved, or this rank's local state for a target configuration.
 
@@ -81,7 +84,9 @@ def load(
         For a gradient-record step (spec/delta.md §8) whose optimizer fingerprint differs from this
         environment: replay it anyway (a ``ReplayWarning``) instead of failing with ``unknown_extension``.
     buffer_bytes
-        Bound on temporaries and decode scratch per batch of reads (default 64 MiB).
+        Bound on temporaries and decode scratch per batch of reads (default: ``options.fill_buffer_bytes``).
+    options
+        How to read (:class:`ucl.options.ReadOptions`).
 
     Returns
     -------
@@ -98,11 +103,12 @@ def load(
             raise InvalidArgumentError("mesh= and rank= describe a target layout: pass layout= too")
         if isinstance(path, Checkpoint):
             return _select(path, tensors, flat)
-        with _open(path, step, storage_options=storage_options, approximate=approximate) as ckpt:
+        with _open(path, step, storage_options=storage_options, approximate=approximate,
+                   options=options) as ckpt:
             return _select(ckpt, tensors, flat)
     if isinstance(path, Checkpoint):
         return _load(path, layout, mesh, rank, tensors, flat, buffer_bytes)
-    with _open(path, step, storage_options=storage_options, approximate=approximate) as ckpt:
+    with _open(path, step, storage_options=storage_options, approximate=approximate, options=options) as ckpt:
         return _load(ckpt, layout, mesh, rank, tensors, flat, buffer_bytes)
 
 
@@ -151,6 +157,8 @@ def load_into(
     step: int | None = None,
     storage_options: dict[str, Any] | None = None,
     buffer_bytes: int | None = None,
+    approximate: bool = False,
+    options: ReadOptions = DEFAULT_READ,
 ) -> None:
     """Fill the tensors of ``state`` (this rank's local state for the target configuration) in place.
 
@@ -167,7 +175,7 @@ def load_into(
     if isinstance(path, Checkpoint):
         _load_into(path, state, layout, mesh, rank, buffer_bytes)
         return
-    with _open(path, step, storage_options=storage_options) as ckpt:
+    with _open(path, step, storage_options=storage_options, approximate=approximate, options=options) as ckpt:
         _load_into(ckpt, state, layout, mesh, rank, buffer_bytes)
 
 

@@ -16,7 +16,7 @@ from ucl.errors import InvalidArgumentError, LimitExceededError
 from ucl.format import dtypes
 from ucl.format.metadata import ArrayMeta
 from ucl.plan.copies import BoxCopy
-from ucl.read.boxes import Request
+from ucl.read.chunks import Request
 
 if TYPE_CHECKING:
     from ucl.read.checkpoint import Checkpoint

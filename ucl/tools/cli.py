@@ -113,9 +113,9 @@ def _chain(repo: Any, step: int, parent: int | None) -> list[int]:
 
 
 def cmd_info(a: argparse.Namespace) -> int:
-    import ucl
+    from ucl.read.checkpoint import open as open_step
 
-    with ucl.open(a.path, a.step) as ckpt:
+    with open_step(a.path, a.step) as ckpt:
         tensors = [{"name": n, "dtype": m.dtype, "shape": list(m.shape), "chunk_shape": list(m.chunk_shape),
                     "shards": math.prod(m.grid), "bytes": m.nbytes, "delta": m.delta is not None,
                     "logical": m.logical} for n, m in ckpt.meta.arrays.items()]
@@ -282,9 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="commands:\n" + "\n".join(f"  {n:9} {h}" for n, h, _ in COMMANDS)
         + "\n\nexamples:\n  ucl ls ckpt\n  ucl validate ckpt\n  ucl diff ckpt@100 @200\n  ucl import hf_model/ ckpt\n\n"
         + EPILOG)
-    from ucl import __version__
-
-    p.add_argument("--version", action="version", version=f"ucl {__version__}")
+    p.add_argument("--version", action="version", version=f"ucl {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     parsers = {}
     for name, help_, examples in COMMANDS:
@@ -361,3 +359,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ucl")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "unknown"

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import mmap
-import os
 import struct
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -27,9 +25,10 @@ from ucl.errors import (
 from ucl.format import metadata
 from ucl.format.metadata import ArrayMeta, CommitRecord, StepMeta
 from ucl.format.repository import Repository, step_prefix
-from ucl.format.shardfile import EMPTY, decode_chunk, index_nbytes, inner_chunks, parse_index
+from ucl.format.shardfile import EMPTY, decode_chunk, index_nbytes, inner_chunks
 from ucl.io import native as _native
-from ucl.io.stores.local import LocalStore
+from ucl.io.ranges import Lease
+from ucl.read.files import StepFiles, step_files
 
 _CRC = struct.Struct("<I")
 
@@ -124,6 +123,7 @@ def _validate_step(repo: Repository, step: int, report: Report, checksums: bool)
     except UCLError as e:
         report.add(e, step)
         return
+    files = step_files(repo.store, step, record)
     expected_files = {"zarr.json"}
     for name, arr in meta.arrays.items():
         expected_files.add(f"{arr.key}/zarr.json")
@@ -148,7 +148,7 @@ def _validate_step(repo: Repository, step: int, report: Report, checksums: bool)
                                                  f"{step}", tensor=name, file=f"{step_prefix(step)}/{rel}"), step)
                 continue
             try:
-                _check_shard(repo, step, record, arr, coords, report, checksums)
+                _check_shard(repo, files, record, arr, coords, report, checksums)
             except UCLError as e:
                 if e.tensor is None:
                     e.tensor = name
@@ -196,8 +196,9 @@ def _check_array_doc(repo: Repository, step: int, record: CommitRecord, meta: St
                                         file=what)
 
 
-def _check_shard(repo: Repository, step: int, record: CommitRecord, arr: ArrayMeta, coords: tuple[int, ...],
+def _check_shard(repo: Repository, files: StepFiles, record: CommitRecord, arr: ArrayMeta, coords: tuple[int, ...],
                  report: Report, checksums: bool) -> None:
+    step = files.step
     rel = arr.shard_key(coords)
     key = f"{step_prefix(step)}/{rel}"
     size, crc = record.files[rel]
@@ -212,11 +213,12 @@ def _check_shard(repo: Repository, step: int, record: CommitRecord, arr: ArrayMe
         raise ShardSizeError(f"shard {key}: {size} bytes cannot hold its {n}-byte index", tensor=arr.name, file=key)
     report.files_checked += 1
     if not checksums:
-        index = parse_index(arr, repo.store.read_range(key, size - n, n), size, key)
-        _check_presence(arr, coords, index, key)
+        _check_presence(arr, coords, files.index(arr, coords), key)
         return
-    with _bytes_of(repo, key, size) as data:
-        index = parse_index(arr, bytes(data[size - n :]), size, key)
+    index, got = files.whole(arr, coords)  # the one range reader: O_DIRECT for large cold shards
+    data = got.view if isinstance(got, Lease) else got
+    assert data is not None  # a fresh StepFiles per step: the index is never cached before
+    try:
         _check_presence(arr, coords, index, key)
         crcs = []
         for ordinal, (off, nb) in enumerate(index):
@@ -229,12 +231,15 @@ def _check_shard(repo: Repository, step: int, record: CommitRecord, arr: ArrayMe
                                     tensor=arr.name, file=key)
             crcs.append(stored)
             if arr.compression is not None:  # a chunk that does not decode is as unreadable as a bad crc
-                decode_chunk(arr, memoryview(bytes(data[off : off + nb - 4])), key, (ordinal,))  # no view of the mmap
+                decode_chunk(arr, data[off : off + nb - 4], key, (ordinal,))
         crcs.append(bytes(data[size - 4 : size]))
         if _native.crc32c(b"".join(crcs)) != crc:  # binds the chunks to this file (spec/core.md §7)
             raise ChecksumError(f"shard {key} of tensor {arr.name!r} does not hold the chunks its commit record "
                                 "names (its digest differs: a swapped or replaced shard)", tensor=arr.name, file=key)
         report.bytes_checked += size
+    finally:
+        if isinstance(got, Lease):
+            got.release()
 
 
 def _check_presence(arr: ArrayMeta, coords: tuple[int, ...], index: Any, key: str) -> None:
@@ -248,29 +253,6 @@ def _check_presence(arr: ArrayMeta, coords: tuple[int, ...], index: Any, key: st
                                          tensor=arr.name, file=key)
 
 
-class _bytes_of:
-    """The whole file: mmap'd when local (no copy), read otherwise."""
-
-    def __init__(self, repo: Repository, key: str, size: int) -> None:
-        self.repo, self.key, self.size = repo, key, size
-        self._mm: mmap.mmap | None = None
-
-    def __enter__(self) -> memoryview:
-        store = self.repo.store
-        if isinstance(store, LocalStore) and self.size > 0:
-            fd = os.open(store._checked(self.key), os.O_RDONLY)
-            try:
-                self._mm = mmap.mmap(fd, self.size, prot=mmap.PROT_READ)
-            finally:
-                os.close(fd)
-            self._view = memoryview(self._mm)
-            return self._view
-        return memoryview(store.read(self.key))
-
-    def __exit__(self, *exc: object) -> None:
-        if self._mm is not None:
-            self._view.release()
-            self._mm.close()
 
 
 def _check_replay(repo: Repository, step: int, meta: StepMeta, report: Report) -> None:

@@ -40,6 +40,11 @@ class Store(ABC):
     def is_local(self) -> bool:
         return False
 
+    def local_path(self, key: str) -> str | None:
+        """The file that holds ``key`` when the store is a local filesystem (checked: it never leaves the
+        repository), else None. Readers of local files go through :class:`ucl.io.ranges.RangeReader`."""
+        return None
+
     @abstractmethod
     def read(self, key: str) -> bytes:
         """The whole object; FileNotFoundError when absent."""

@@ -11,9 +11,9 @@ from typing import Any
 
 from ucl.errors import InvalidNameError, WriteError
 from ucl.io import native as _native
+from ucl.io.ranges import preadv_all
 from ucl.io.stores.base import Buffer, Store, check_key
 
-_IOV_MAX = 1024
 
 
 def _load_syncfs() -> Any:
@@ -27,6 +27,9 @@ def _load_syncfs() -> Any:
 
 
 _syncfs = _load_syncfs()
+#: Whether :meth:`LocalStore.sync_all` can make everything durable with one syncfs(2) (a writer that
+#: knows it skips its per-file fdatasync).
+HAS_SYNCFS = _syncfs is not None
 
 
 class LocalStore(Store):
@@ -46,6 +49,9 @@ class LocalStore(Store):
 
     def path(self, key: str) -> str:
         return os.path.join(self.root, *check_key(key).split("/"))
+
+    def local_path(self, key: str) -> str:
+        return self._checked(key)
 
     def _checked(self, key: str) -> str:
         p = self.path(key)
@@ -166,29 +172,6 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def preadv_all(fd: int, buffers: list[memoryview], offset: int) -> int:
-    """preadv until every buffer is full or the file ends (short reads and IOV_MAX handled)."""
-    total = 0
-    i = 0
-    while i < len(buffers):
-        batch = buffers[i : i + _IOV_MAX]
-        n = os.preadv(fd, batch, offset)
-        if n == 0:
-            break
-        total += n
-        offset += n
-        # advance past whole buffers; split a partially filled one
-        while n and i < len(buffers):
-            b = buffers[i]
-            if n >= b.nbytes:
-                n -= b.nbytes
-                i += 1
-            else:
-                buffers[i] = b[n:]
-                n = 0
-    return total
 
 
 def _write_error(e: OSError, path: str, offset: int) -> WriteError:

@@ -1,0 +1,91 @@
+"""Tuning, as explicit frozen options passed down from the API (never module globals).
+
+Every field has a measured default; change one for a workload or a test, e.g.
+``ucl.open(path, options=ReadOptions(direct=False))``. Options never change what is read or written,
+only how: the same bytes, the same checks, the same errors.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ChainOptions:
+    """How delta-chain reads run (:class:`ucl.read.chain.ChainReader`; spec/delta.md §6.3).
+
+    Attributes
+    ----------
+    io_threads
+        Reads in flight (page-cache copies and device requests), process-wide.
+    decode_threads
+        Chunk rebuilds (the C decoder releases the GIL), process-wide.
+    group_bytes
+        Inner-chunk bytes x links read of one group: the unit of fetching and of the in-flight budget.
+    inflight_bytes
+        Fetched bytes waiting for their decode (one group at least, whatever its size).
+    whole_max_bytes
+        A shard needed whole and at most this big is read in one request, index included.
+    segment_max_bytes
+        The most one read of adjacent chunks covers.
+    small_bytes, small_batch_bytes
+        A group reading at most ``small_bytes`` is read and rebuilt by one task, batched with its
+        neighbours up to ``small_batch_bytes``: their reads are latency, and a task each would cost more.
+    parallel_min_bytes
+        A smaller inner chunk is decoded payload after payload on one thread; larger ones in parallel.
+    """
+
+    io_threads: int = 4
+    decode_threads: int = field(default_factory=lambda: min(8, os.cpu_count() or 1))
+    group_bytes: int = 32 << 20
+    inflight_bytes: int = 64 << 20
+    whole_max_bytes: int = 16 << 20
+    segment_max_bytes: int = 16 << 20
+    small_bytes: int = 256 << 10
+    small_batch_bytes: int = 1 << 20
+    parallel_min_bytes: int = 256 << 10
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How a reader reads (:func:`ucl.open`, :func:`ucl.load`, the validator).
+
+    Attributes
+    ----------
+    threads
+        Data reads of one plain read in flight (a step's pool, made for reads of more than 8 MiB).
+    index_threads
+        Shard index reads in flight: small and latency-bound, so more than the data reads.
+    segment_bytes
+        Adjacent inner chunks of a file are read together up to this much (one task, one request).
+    direct
+        O_DIRECT for cold ranges of local files (False: always buffered; see :mod:`ucl.io.ranges`).
+    direct_min_bytes
+        Smaller ranges are read buffered (alignment overhead; readahead helps them).
+    small_shard_bytes
+        A small shard that a read needs whole is read in one request together with its index.
+    fill_buffer_bytes
+        Temporaries and decode scratch of one batch of box copies (the memory bound of a load beside
+        its destinations); larger copies are split.
+    keep_buffer_bytes
+        Pooled read buffers kept between reads (warm pages for the next read).
+    prefault
+        Map fresh destination pages on a side thread while the device works (:mod:`ucl.io.prefault`).
+    chain
+        Delta-chain reads.
+    """
+
+    threads: int = 4
+    index_threads: int = 8
+    segment_bytes: int = 8 << 20
+    direct: bool = True
+    direct_min_bytes: int = 256 << 10
+    small_shard_bytes: int = 128 << 10
+    fill_buffer_bytes: int = 64 << 20
+    keep_buffer_bytes: int = 64 << 20
+    prefault: bool = True
+    chain: ChainOptions = field(default_factory=ChainOptions)
+
+
+DEFAULT_READ = ReadOptions()

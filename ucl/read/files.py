@@ -1,0 +1,189 @@
+"""The files of one committed step, as every reader of it sees them (plain reads, chain reads, validation).
+
+:class:`StepFiles` finds a shard in the commit record, reads and checks its index (cached), reads byte
+ranges through the one :class:`~ucl.io.ranges.RangeReader` (local files) or the store, and counts the
+bytes read. The errors of reading shards are made here, so that every reader names a missing, truncated
+or corrupt shard the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ucl.errors import ChecksumError, CorruptShardIndexError, MissingShardError, ShardSizeError
+from ucl.format.metadata import ArrayMeta, CommitRecord
+from ucl.format.repository import step_prefix
+from ucl.format.shardfile import index_nbytes, parse_index
+from ucl.io.ranges import Lease, RangeReader
+from ucl.io.stores.base import Store
+from ucl.options import DEFAULT_READ, ReadOptions
+
+
+@dataclass
+class StepFiles:
+    """What a reader of one committed step needs: its store, commit record, index cache and byte reader."""
+
+    store: Store
+    step: int
+    record: CommitRecord
+    ranges: RangeReader = field(default_factory=RangeReader)
+    small_shard_bytes: int = 128 << 10  # a small shard a read needs whole is read in one request
+    indexes: dict[tuple[str, tuple[int, ...]], np.ndarray] = field(default_factory=dict)
+    bytes_read: int = 0
+    small: dict[str, memoryview] = field(default_factory=dict)  # whole small shards read with their index
+    _paths: dict[str, str] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def prefix(self) -> str:
+        return step_prefix(self.step)
+
+    def count(self, n: int) -> None:
+        with self._lock:
+            self.bytes_read += n
+
+    def shard(self, meta: ArrayMeta, coords: tuple[int, ...]) -> tuple[str, int]:
+        """(key, recorded size) of a shard; MissingShardError when the commit record does not list it."""
+        rel = meta.shard_key(coords)
+        if rel not in self.record.files:
+            raise MissingShardError(f"shard {self.prefix}/{rel} of tensor {meta.name!r} is not in the commit record "
+                                    f"of step {self.step}", tensor=meta.name, file=f"{self.prefix}/{rel}")
+        return f"{self.prefix}/{rel}", self.record.files[rel][0]
+
+    def local_path(self, key: str) -> str | None:
+        """The file of ``key`` on a local store (checked once per step: it must not leave the repository
+        through a symlink), or None for other stores."""
+        p = self._paths.get(key)
+        if p is None:
+            q = self.store.local_path(key)
+            if q is None:
+                return None
+            p = self._paths[key] = q
+        return p
+
+    # -- bytes ---------------------------------------------------------------------------------------
+    def read(self, key: str, offset: int, length: int) -> Lease | memoryview:
+        """Bytes [offset, offset + length) (fewer only at the end of the file), counted: a pooled
+        :class:`Lease` for local files (release it), a memoryview otherwise. FileNotFoundError when absent."""
+        path = self.local_path(key)
+        if path is None:
+            data = memoryview(self.store.read_range(key, offset, length))
+            self.count(data.nbytes)
+            return data
+        lease = self.ranges.read(path, offset, length)
+        assert lease is not None
+        self.count(lease.view.nbytes)
+        return lease
+
+    def read_direct(self, key: str, offset: int, length: int) -> Lease | None:
+        """As :meth:`read` when the range goes to the device with O_DIRECT, else None (then read it
+        straight into its destinations with :meth:`readinto`)."""
+        path = self.local_path(key)
+        if path is None:
+            return None
+        lease = self.ranges.read(path, offset, length, direct_only=True)
+        if lease is not None:
+            self.count(lease.view.nbytes)
+        return lease
+
+    def readinto(self, key: str, offset: int, buffers: Sequence[memoryview]) -> int:
+        """Buffered, vectored, straight into ``buffers``; the bytes read, counted."""
+        path = self.local_path(key)
+        got = (self.ranges.readinto(path, offset, buffers) if path is not None
+               else self.store.readinto(key, offset, list(buffers)))
+        self.count(got)
+        return got
+
+    # -- indexes -------------------------------------------------------------------------------------
+    def index(self, meta: ArrayMeta, coords: tuple[int, ...], whole: bool = False) -> np.ndarray:
+        """The checked index of a shard (cached). ``whole``: the caller needs every chunk of the shard, so a
+        small shard is read in one request with its index, its bytes kept in ``small`` for the chunks."""
+        cached = self.indexes.get((meta.name, coords))
+        if cached is not None:
+            return cached
+        key, size = self.shard(meta, coords)
+        n = index_nbytes(meta.n_inner)
+        if size < n:
+            raise ShardSizeError(f"{key}: the commit record's size {size} cannot hold the {n}-byte index",
+                                 tensor=meta.name, file=key)
+        try:
+            if whole and size <= self.small_shard_bytes:
+                data = self._pread(key, 0, size)
+                if len(data) == size:  # else: truncated, reported by the index read below
+                    self.count(size)
+                    idx = parse_index(meta, data[size - n :], size, key)
+                    self.small[key] = memoryview(data)
+                    self.indexes[(meta.name, coords)] = idx
+                    return idx
+            raw = self._pread(key, size - n, n)
+        except (FileNotFoundError, NotADirectoryError):
+            raise missing(key, meta.name) from None
+        self.count(len(raw))
+        idx = parse_index(meta, raw, size, key)
+        self.indexes[(meta.name, coords)] = idx
+        return idx
+
+    def whole(self, meta: ArrayMeta, coords: tuple[int, ...]) -> tuple[np.ndarray, Lease | memoryview | None]:
+        """A listed shard read whole in one request (its index parsed from it and cached), or only its
+        index when the index is cached already (then None). The caller releases a returned Lease."""
+        key, size = self.shard(meta, coords)
+        cached = self.indexes.get((meta.name, coords))
+        n = index_nbytes(meta.n_inner)
+        if cached is not None or size < n:
+            return self.index(meta, coords), None
+        try:
+            got = self.read(key, 0, size)
+        except (FileNotFoundError, NotADirectoryError):
+            raise missing(key, meta.name) from None
+        view = got.view if isinstance(got, Lease) else got
+        try:  # a copy of the index: the buffer is reused later
+            idx = parse_index(meta, bytes(view[size - n :]), size, key)
+        except BaseException:
+            if isinstance(got, Lease):
+                got.release()
+            raise
+        self.indexes[(meta.name, coords)] = idx
+        return idx, got
+
+    def _pread(self, key: str, offset: int, length: int) -> bytes:
+        """A small read (an index, a small shard): one pread of a local file, no pooled buffer."""
+        path = self.local_path(key)
+        if path is None:
+            return self.store.read_range(key, offset, length)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+
+
+def step_files(store: Store, step: int, record: CommitRecord, options: ReadOptions = DEFAULT_READ) -> StepFiles:
+    """The files of a committed step, read as ``options`` say."""
+    return StepFiles(store, step, record, RangeReader(direct=options.direct, direct_min_bytes=options.direct_min_bytes),
+                     small_shard_bytes=options.small_shard_bytes)
+
+
+# -- the errors of reading shards, one wording for every reader --------------------------------------
+def missing(key: str, name: str) -> MissingShardError:
+    return MissingShardError(f"shard {key} of tensor {name!r} is missing", tensor=name, file=key)
+
+
+def truncated(key: str, name: str, got: int | None = None, want: int | None = None,
+              offset: int | None = None) -> ShardSizeError:
+    detail = f" (read {got} of {want} bytes at offset {offset})" if got is not None else ""
+    return ShardSizeError(f"{key}: the shard is truncated{detail}: tensor {name!r}", tensor=name, file=key)
+
+
+def absent(key: str, chunk: object, name: str) -> CorruptShardIndexError:
+    return CorruptShardIndexError(f"{key}: inner chunk {chunk} of tensor {name!r} is absent from its shard",
+                                  tensor=name, file=key)
+
+
+def corrupt_chunk(key: str, chunk: object, name: str) -> ChecksumError:
+    return ChecksumError(f"{key}: inner chunk {chunk} of tensor {name!r} fails its crc32c", tensor=name, file=key)
+
