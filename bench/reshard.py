@@ -102,7 +102,7 @@ def child_ucl(args: argparse.Namespace) -> int:
         with C.Meter() as m:
             got = ucl.load(ckpt, layout=layout, mesh=mesh, rank=args.rank, flat=True)
         target = sum(v.numel() * v.element_size() for v in got.values())
-        idx = sum(index_nbytes(ckpt.meta.arrays[n].n_inner) for n, _ in ckpt._files.indexes)
+        idx = sum(index_nbytes(ckpt.meta.arrays[n].n_inner) for n, _ in ckpt.files.indexes)
         print(
             json.dumps(
                 m.result(bytes_read=ckpt.bytes_read, index_bytes=idx, target=target, plan_s=plan_s, drop=drop)

@@ -551,7 +551,7 @@ class Reader(StorageReader):
         if any(a < 0 or a + n > s for a, n, s in zip(start, shape, meta.shape, strict=True)):
             raise InvalidArgumentError(f"DCP asks for box start={list(start)} shape={list(shape)} outside tensor "
                                        f"{fqn!r} of shape {list(meta.shape)}", tensor=fqn)
-        ckpt._check_listed(meta, start, shape)
+        ckpt.check_listed(meta, start, shape)
         dest = planner.resolve_tensor(item).detach()
         if tuple(dest.shape) != shape:
             raise InvalidArgumentError(f"DCP destination for {fqn!r} has shape {list(dest.shape)}, the read item "
@@ -591,7 +591,7 @@ class Reader(StorageReader):
 def _flush(ckpt: Checkpoint, batch: list[tuple[ReadItem, Request, torch.Tensor | None]], planner: LoadPlanner) -> None:
     if not batch:
         return
-    ckpt._read([req for _, req, _ in batch])
+    ckpt.read_requests([req for _, req, _ in batch])
     for item, req, dest in batch:
         if dest is not None:
             dest.copy_(req.out)

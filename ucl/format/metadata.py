@@ -26,6 +26,7 @@ from ucl.errors import (
     UnsupportedVersionError,
 )
 from ucl.format import dtypes, names, structure
+from ucl.format.records import DeltaRecord, GradientRecords, choose_encoding, parse_codec
 from ucl.io import native as _native
 
 FORMAT_VERSION = 1
@@ -220,7 +221,6 @@ class ArrayMeta:
         if self.delta is not None:
             # the codec repeats the record's encoding and base step (spec/delta.md §3.3); an unchanged
             # array stores no data, its codec names the encoding a chunked one would have used
-            from ucl.format.records import choose_encoding
 
             enc = self.delta.get("encoding") or choose_encoding(self.name, self.dtype)
             return [{"name": "ucl.delta", "configuration": {"encoding": enc, "base_step": self.delta["base_step"]}},
@@ -290,7 +290,6 @@ class ArrayMeta:
         compression = None
         expected_first = _BYTES_LE if dtypes.itemsize(dtype) > 1 else {"name": "bytes"}
         if delta is not None:
-            from ucl.format.records import DeltaRecord, parse_codec
 
             if [c["name"] for c in codecs] != ["ucl.delta", "crc32c"]:
                 raise InconsistentMetadataError(f"{what}: a delta array's inner codecs must be [ucl.delta, crc32c]", tensor=name, file=what)
@@ -345,7 +344,6 @@ class StepMeta:
         """The step's :class:`ucl.delta.GradientRecords` (spec/delta.md §8), or None."""
         for e in self.extensions:
             if e.get("name") == "ucl.gradient_records":
-                from ucl.format.records import GradientRecords
 
                 return GradientRecords.from_extension(e)
         return None
@@ -400,7 +398,6 @@ def _replayed(ucl: dict[str, Any], referenced: set[str], arrays: dict[str, Array
     exts = [e for e in ucl.get("extensions", ()) if e.get("name") == "ucl.gradient_records"]
     if not exts:
         return set()
-    from ucl.format.records import GradientRecords
 
     if len(exts) > 1:
         raise InconsistentMetadataError(f"{what}: the ucl.gradient_records extension appears twice", file=what)

@@ -22,6 +22,7 @@ from ucl.errors import (
     CheckpointNotFoundError,
     ChecksumError,
     CorruptCommitRecordError,
+    InconsistentMetadataError,
     InvalidArgumentError,
     LimitExceededError,
     MissingShardError,
@@ -30,6 +31,7 @@ from ucl.errors import (
 )
 from ucl.format import metadata
 from ucl.format.metadata import CommitRecord, StepMeta
+from ucl.format.shardfile import file_digest
 from ucl.io import native as _native
 from ucl.io.stores import open_store
 from ucl.io.stores.base import Store
@@ -146,7 +148,6 @@ class Repository:
         if len(data) != size:
             raise ShardSizeError(f"{key} is {len(data)} bytes, the commit record says {size}", file=key)
         if n_inner is not None:
-            from ucl.format.shardfile import file_digest
 
             if file_digest(data, n_inner, verify=True, where=key) != crc:
                 raise ChecksumError(f"{key} does not hold the chunks its commit record names (digest differs)",
@@ -161,7 +162,6 @@ class Repository:
         what = f"{self.url}/{step_prefix(step)}/zarr.json"
         meta = StepMeta.from_dict(metadata.loads(raw, what), what)
         if meta.step != step or meta.kind != record.kind or meta.parent != record.parent:
-            from ucl.errors import InconsistentMetadataError
 
             raise InconsistentMetadataError(f"{what} disagrees with the commit record of step {step} "
                                             "(step, kind or parent)", file=what)

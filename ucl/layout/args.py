@@ -7,7 +7,8 @@ from typing import Any
 
 from ucl.errors import InvalidLayoutError, MeshMismatchError
 from ucl.layout.mesh import Mesh, parse_mesh
-from ucl.layout.model import Layout
+from ucl.layout.model import Layout, check_mesh
+from ucl.layout.syntax import parse_layout
 
 
 def as_layout(layout: Any) -> Layout:
@@ -15,7 +16,6 @@ def as_layout(layout: Any) -> Layout:
     if isinstance(layout, Layout):
         return layout
     if isinstance(layout, str):
-        from ucl.layout.syntax import parse_layout
 
         return parse_layout(layout)
     if isinstance(layout, Mapping):
@@ -49,7 +49,6 @@ def as_mesh(mesh: Any, layout: Layout | None = None, world: int | None = None) -
     else:
         raise InvalidLayoutError(f"a mesh is a ucl.layout.Mesh, 'pp=2 tp=4' or {{'tp': 4}}, got {mesh!r}")
     if layout is not None:
-        from ucl.layout.model import check_mesh
 
         check_mesh(layout, out)
     if world is not None:

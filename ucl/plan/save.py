@@ -23,6 +23,12 @@ from ucl.errors import InvalidArgumentError
 from ucl.format import dtypes, names
 from ucl.format.metadata import ArrayMeta
 from ucl.format.shardfile import choose_inner_chunk
+from ucl.layout import Layout, Mesh
+from ucl.layout.resolve import Resolver
+from ucl.layout.transforms import make_tile
+from ucl.plan.items import ArraySpec
+from ucl.plan.layout_load import logical_tensors
+from ucl.plan.layout_save import infer_shapes, plan_save
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -103,7 +109,6 @@ def plan_rank(
 ) -> Any:
     """``ucl.layout.plan_save`` for one rank, the logical shapes of uneven splits inferred from the local
     shapes of every rank (``all_local``, by rank) when given. Raises the layout's errors (nothing written)."""
-    from ucl.plan.layout_save import infer_shapes, plan_save
 
     shapes = infer_shapes(layout, mesh, list(all_local)) if all_local is not None else None
     return plan_save(layout, mesh, rank, local, shapes=shapes)
@@ -140,9 +145,6 @@ def split_dims(
     layout_json: Mapping[str, Any], mesh_json: Mapping[str, Any], specs: Mapping[str, Any]
 ) -> dict[str, tuple[int, ...]]:
     """For each tile array (a tensor stored under its own name) whose rule shards it: its dimensions."""
-    from ucl.layout import Layout, Mesh
-    from ucl.layout.resolve import Resolver
-    from ucl.layout.transforms import make_tile
 
     layout, mesh = Layout.from_dict(dict(layout_json)), Mesh.from_dict(dict(mesh_json))
     res = Resolver(layout, mesh)
@@ -181,7 +183,6 @@ def meta_for_spec(
 
 def spec_for_meta(meta: ArrayMeta) -> Any:
     """The ``ucl.layout.ArraySpec`` of a stored array (its logical record; ``{}`` for a plain array)."""
-    from ucl.plan.items import ArraySpec
 
     return ArraySpec(
         meta.name, tuple(meta.shape), meta.dtype, tuple(meta.chunk_shape), dict(meta.logical or {})
@@ -196,7 +197,6 @@ def from_layout(
     ``arrays``: the merged arrays of every rank (``ucl.layout.merge_plans``; the coordinator records
     them); None keeps the rank's own arrays (enough to write its chunks).
     """
-    from ucl.plan.layout_load import logical_tensors
 
     specs = dict(arrays if arrays is not None else rank_plan.arrays)
     split = split_dims(rank_plan.layout_json, rank_plan.mesh_json, specs)

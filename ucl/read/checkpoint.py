@@ -18,8 +18,12 @@ from typing import Any
 
 import torch
 
+from ucl.delta.chain import DEFAULT_MAX_CHAIN
+from ucl.delta.gradients import replay_records
 from ucl.errors import (
     CheckpointNotFoundError,
+    DeltaChainError,
+    InconsistentMetadataError,
     InvalidArgumentError,
     MissingShardError,
     TensorNotFoundError,
@@ -27,10 +31,15 @@ from ucl.errors import (
 from ucl.format import structure
 from ucl.format.metadata import ArrayMeta, CommitRecord, StepMeta
 from ucl.format.repository import Repository
+from ucl.format.structure import graft
 from ucl.io.stores.base import Store
+from ucl.layout import Layout, Mesh
 from ucl.options import DEFAULT_READ, ReadOptions
 from ucl.plan.copies import BoxCopy
+from ucl.plan.layout_load import LogicalIndex
+from ucl.plan.save import spec_for_meta
 from ucl.read.boxes import read
+from ucl.read.chain import ChainReader
 from ucl.read.chunks import Request
 from ucl.read.files import StepFiles, step_files
 from ucl.read.tensors import LazyTensor, LogicalTensor, ReplayedTensor, alloc
@@ -74,7 +83,7 @@ class Checkpoint:
         """Tensor names: in the order they were saved; for a step saved under a layout, the logical
         tensors (sorted by name)."""
         if self.layout_step:
-            return list(self._logical().tensors)
+            return list(self.logical_index().tensors)
         if self.records is not None:
             return list(self._tree_names())
         return list(self.meta.arrays)
@@ -85,11 +94,11 @@ class Checkpoint:
     def __len__(self) -> int:
         if self.records is not None:
             return len(self._tree_names())
-        return len(self._logical().tensors) if self.layout_step else len(self.meta.arrays)
+        return len(self.logical_index().tensors) if self.layout_step else len(self.meta.arrays)
 
     def __contains__(self, name: object) -> bool:
         if self.layout_step:
-            return name in self._logical().tensors
+            return name in self.logical_index().tensors
         if self.records is not None:
             return name in self._tree_names()
         return name in self.meta.arrays
@@ -99,7 +108,7 @@ class Checkpoint:
         layout step stored otherwise (blocks, fused parts, flat fragments, partial sums), a
         :class:`LogicalTensor`."""
         if self.layout_step:
-            info = self._logical().tensors.get(name)
+            info = self.logical_index().tensors.get(name)
             if info is None:
                 raise TensorNotFoundError(f"step {self.step} has no tensor {name!r}", tensor=name)
             meta = self.meta.arrays.get(name)
@@ -134,8 +143,6 @@ class Checkpoint:
         return self._names
 
     def _parent_ckpt(self) -> Checkpoint:
-        from ucl.delta.chain import DEFAULT_MAX_CHAIN
-        from ucl.errors import DeltaChainError
 
         assert self.records is not None
         with self._lock:
@@ -150,9 +157,8 @@ class Checkpoint:
                                           _depth=self._depth + 1)
             return self._parent
 
-    def _replayed(self) -> dict[str, torch.Tensor]:
+    def replayed(self) -> dict[str, torch.Tensor]:
         """Replay the recorded optimizer step once; the parameters and optimizer state it defines."""
-        from ucl.delta.gradients import replay_records
 
         rec = self.records
         assert rec is not None
@@ -168,7 +174,6 @@ class Checkpoint:
                                                      what=f"step {self.step}")
                     missing = sorted(n for n, r in self._tree_names().items() if r and n not in out)
                     if missing:
-                        from ucl.errors import InconsistentMetadataError
 
                         raise InconsistentMetadataError(f"step {self.step}: the replay does not define tensor "
                                                         f"{missing[0]!r}", tensor=missing[0])
@@ -182,7 +187,7 @@ class Checkpoint:
         fingerprint that differs from the recorded one, or whose parent is such a step."""
         if self.records is None:
             return True
-        self._replayed()
+        self.replayed()
         assert self._replay is not None and self._parent is not None
         return not self._replay[1] and self._parent.exact
 
@@ -199,7 +204,6 @@ class Checkpoint:
         """The source layout (a :class:`ucl.layout.Layout`) the step was saved under, or None."""
         if self.meta.layout is None:
             return None
-        from ucl.layout import Layout
 
         return Layout.from_dict(self.meta.layout)
 
@@ -208,15 +212,12 @@ class Checkpoint:
         """The source mesh (a :class:`ucl.layout.Mesh`), or None."""
         if self.meta.mesh is None:
             return None
-        from ucl.layout import Mesh
 
         return Mesh.from_dict(self.meta.mesh)
 
-    def _logical(self) -> Any:
+    def logical_index(self) -> Any:
         """The step's :class:`ucl.layout.LogicalIndex` (built once)."""
         if self._index is None:
-            from ucl.plan.layout_load import LogicalIndex
-            from ucl.plan.save import spec_for_meta
 
             with self._lock:
                 if self._index is None:
@@ -228,6 +229,11 @@ class Checkpoint:
         return self.meta.kind
 
     @property
+    def files(self) -> StepFiles:
+        """The step's files as the readers see them (index cache, byte reader, bytes read)."""
+        return self._files
+
+    @property
     def bytes_read(self) -> int:
         """Bytes read from storage so far (indexes and chunks, in every step of a delta chain)."""
         return sum(f.bytes_read for _, f in self._chain_steps.values())
@@ -236,7 +242,7 @@ class Checkpoint:
         return f"Checkpoint({self.repo.url!r}, step={self.step}, tensors={len(self)})"
 
     # -- reading -----------------------------------------------------------------------------------
-    def _check_listed(self, meta: ArrayMeta, start: tuple[int, ...], shape: tuple[int, ...]) -> None:
+    def check_listed(self, meta: ArrayMeta, start: tuple[int, ...], shape: tuple[int, ...]) -> None:
         """Every shard a box needs is in the commit record: checked before anything is allocated (spec §8.4)."""
         if meta.delta is not None or not all(shape):
             return
@@ -248,7 +254,9 @@ class Checkpoint:
         for coords in itertools.product(*ranges):
             self._files.shard(meta, coords)
 
-    def _read(self, requests: list[Request]) -> None:
+    def read_requests(self, requests: list[Request]) -> None:
+        """Fill each request's ``out`` (a box of a stored array) from the step: plain arrays through
+        :func:`ucl.read.boxes.read`, delta-encoded ones through the step's chain, as one pipeline."""
         plain = [r for r in requests if r.meta.delta is None]
         chained = [r for r in requests if r.meta.delta is not None]
         if self._pool is None and sum(r.meta.nbytes for r in plain) > 8 << 20:
@@ -263,7 +271,6 @@ class Checkpoint:
     def _chain_reader(self) -> Any:
         with self._lock:
             if self._chain is None:
-                from ucl.read.chain import ChainReader
 
                 self._chain = ChainReader(self.step, self._step_source, options=self.options)
             return self._chain
@@ -284,23 +291,22 @@ class Checkpoint:
         ranks' local tensors such as flat optimizer buffers do not appear (their members do).
         """
         if self.layout_step:
-            info = self._logical().tensors
+            info = self.logical_index().tensors
             out = {n: alloc(n, d, s) for n, (s, d) in info.items()}
         elif self.records is not None:
-            replayed = self._replayed()  # cached for later reads: the caller gets copies it may modify
+            replayed = self.replayed()  # cached for later reads: the caller gets copies it may modify
             out = {n: (replayed[n].clone() if n in replayed else alloc(n, self.meta.arrays[n].dtype, self.meta.arrays[n].shape))
                    for n in self._tree_names()}
             self.load_into({n: t for n, t in out.items() if n not in replayed})
             return out if flat else structure.unflatten(self.meta.tree, out)
         else:
             for m in self.meta.arrays.values():
-                self._check_listed(m, (0,) * len(m.shape), m.shape)
+                self.check_listed(m, (0,) * len(m.shape), m.shape)
             out = {n: alloc(n, m.dtype, m.shape) for n, m in self.meta.arrays.items()}
         self.load_into(out)
         if flat:
             return out
         if self.layout_step:  # its tree holds JSON values; tensors go where the "/" of their names say
-            from ucl.format.structure import graft
 
             return structure.unflatten(graft(self.meta.tree, list(out)), out)
         return structure.unflatten(self.meta.tree, out)
@@ -322,13 +328,13 @@ class Checkpoint:
                 full = ((0,) * t.dim(), tuple(t.shape))
                 arrays = self.meta.arrays
                 ops += [BoxCopy(arrays[a], sbox, t, None, rbox, k > 0)
-                        for a, sbox, rbox, k in self._logical().read_parts(n, full, sum_partial=True)]
+                        for a, sbox, rbox, k in self.logical_index().read_parts(n, full, sum_partial=True)]
         if reqs:
-            self._read(reqs)
+            self.read_requests(reqs)
         if ops:
-            self._fill(ops)
+            self.fill(ops)
 
-    def _fill(self, ops: list[BoxCopy], buffer_bytes: int | None = None) -> None:
+    def fill(self, ops: list[BoxCopy], buffer_bytes: int | None = None) -> None:
         """Copy stored boxes into destination boxes (spec/layout.md copy rule: row-major order to row-major
         order), read concurrently in batches. A box that is one contiguous run of its destination is read
         straight into it; others (and partial sums) go through a temporary. Each batch holds at most
@@ -342,7 +348,7 @@ class Checkpoint:
         def flush() -> None:
             nonlocal cost
             if batch:
-                self._read(batch)
+                self.read_requests(batch)
             with torch.no_grad():
                 for dst, tmp, add in post:
                     src = tmp.view(dst.shape)

@@ -32,10 +32,12 @@ from typing import Any
 import torch
 
 from ucl.errors import InvalidArgumentError, LayoutShapeError, MeshMismatchError, TensorNotFoundError
-from ucl.format import structure
+from ucl.format import dtypes, structure
 from ucl.io.stores.base import Store
+from ucl.layout import Layout, Mesh, as_layout, as_mesh, layout_from_dtensors, mesh_rank
 from ucl.options import DEFAULT_READ, ReadOptions
 from ucl.plan.copies import BoxCopy
+from ucl.plan.layout_load import plan_load
 from ucl.plan.save import spec_for_meta
 from ucl.read.checkpoint import Checkpoint
 from ucl.read.checkpoint import open as _open
@@ -125,7 +127,6 @@ def _select(ckpt: Checkpoint, tensors: Iterable[str] | None, flat: bool) -> Any:
 
 
 def _spec_dtype(dtype: torch.dtype) -> str:
-    from ucl.format import dtypes
 
     return dtypes.from_torch(dtype)
 
@@ -141,7 +142,7 @@ def _load(
 ) -> Any:
     plan = load_plan(ckpt, layout=layout, mesh=mesh, rank=rank, tensors=tensors)
     out = {n: alloc(n, d, s, zero=n in plan.zero) for n, (s, d) in plan.local.items()}
-    ckpt._fill(_ops(ckpt, plan, out), buffer_bytes)
+    ckpt.fill(_ops(ckpt, plan, out), buffer_bytes)
     if flat:
         return out
     return structure.unflatten(structure.graft(ckpt.meta.tree, list(out)), out)
@@ -200,7 +201,6 @@ def _load_into(
     elif layout is None:
         if mesh is not None or rank is not None:
             raise InvalidArgumentError("mesh= and rank= describe a target layout: pass layout= too")
-        from ucl.layout import Layout, Mesh
 
         layout, mesh, rank = Layout(), Mesh(()), 0  # the logical tensors, whole
         selection = [n for n in tensors if n in ckpt]
@@ -232,7 +232,7 @@ def _load_into(
             raise InvalidArgumentError(
                 f"flat buffer {it.local_name!r} must be a contiguous tensor", tensor=it.local_name
             )
-    ckpt._fill(_ops(ckpt, plan, dest), buffer_bytes)
+    ckpt.fill(_ops(ckpt, plan, dest), buffer_bytes)
 
 
 def _some(local: Mapping[str, Any]) -> str:
@@ -243,7 +243,6 @@ def _some(local: Mapping[str, Any]) -> str:
 def _from_dtensors(tensors: Mapping[str, torch.Tensor]) -> tuple[Any, Any, int, dict[str, torch.Tensor]]:
     from torch.distributed.tensor import DTensor
 
-    from ucl.layout import Layout, Mesh, layout_from_dtensors, mesh_rank
 
     dts = {n: t for n, t in tensors.items() if isinstance(t, DTensor)}
     if not dts:
@@ -285,8 +284,6 @@ def load_plan(
     if not isinstance(ckpt, Checkpoint):
         with _open(ckpt, step) as c:
             return load_plan(c, layout=layout, mesh=mesh, rank=rank, tensors=tensors)
-    from ucl.layout import as_layout, as_mesh
-    from ucl.plan.layout_load import plan_load
 
     layout = as_layout(layout)
     mesh = as_mesh(mesh, layout)

@@ -80,9 +80,9 @@ class LazyTensor:
         """Elements ``[start, start + shape)`` as a tensor of ``shape``."""
         start, shape = tuple(start), tuple(shape)
         self._check_bounds(start, shape)
-        self._ckpt._check_listed(self.meta, start, shape)
+        self._ckpt.check_listed(self.meta, start, shape)
         out = self._out(shape, out)
-        self._ckpt._read([Request(self.meta, start, shape, out)])
+        self._ckpt.read_requests([Request(self.meta, start, shape, out)])
         return out
 
     def __getitem__(self, key: Any) -> torch.Tensor:
@@ -108,9 +108,9 @@ class LogicalTensor(LazyTensor):
         out = self._out(shape, out)
         if not all(shape):
             return out
-        parts = self._ckpt._logical().read_parts(self.name, (start, shape), sum_partial=True)
+        parts = self._ckpt.logical_index().read_parts(self.name, (start, shape), sum_partial=True)
         arrays = self._ckpt.meta.arrays
-        self._ckpt._fill([BoxCopy(arrays[a], sbox, out, None, rbox, k > 0) for a, sbox, rbox, k in parts])
+        self._ckpt.fill([BoxCopy(arrays[a], sbox, out, None, rbox, k > 0) for a, sbox, rbox, k in parts])
         return out
 
 
@@ -128,7 +128,7 @@ class ReplayedTensor(LazyTensor):
         start, shape = tuple(start), tuple(shape)
         self._check_bounds(start, shape)
         out = self._out(shape, out)
-        src = self._ckpt._replayed()[self.name]
+        src = self._ckpt.replayed()[self.name]
         out.copy_(src[tuple(slice(a, a + n) for a, n in zip(start, shape, strict=True))])
         return out
 

@@ -51,6 +51,7 @@ import torch
 
 from ucl.errors import InvalidArgumentError, UCLError
 from ucl.format import metadata
+from ucl.format.lock import WriterLock
 from ucl.format.metadata import ArrayMeta, CommitRecord, StepMeta
 from ucl.format.records import GRADIENT_RECORDS
 from ucl.format.repository import Repository, check_step, commit_key, step_prefix
@@ -118,7 +119,6 @@ def _mtime_of(info: dict[str, Any]) -> float | None:
 
 
 def _lock(repo: Repository) -> Any:
-    from ucl.format.lock import WriterLock
 
     return WriterLock.acquire(repo)
 

@@ -14,11 +14,14 @@ import struct
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ucl.delta.chain import DEFAULT_MAX_CHAIN
 from ucl.errors import (
     ChecksumError,
     CorruptShardIndexError,
+    DeltaChainError,
     InconsistentMetadataError,
     MissingShardError,
+    SchemaError,
     ShardSizeError,
     UCLError,
 )
@@ -28,7 +31,10 @@ from ucl.format.repository import Repository, step_prefix
 from ucl.format.shardfile import EMPTY, decode_chunk, index_nbytes, inner_chunks
 from ucl.io import native as _native
 from ucl.io.ranges import Lease
+from ucl.plan.layout_save import stored_chunks
+from ucl.plan.save import spec_for_meta
 from ucl.read.files import StepFiles, step_files
+from ucl.tools.validate_chain import validate_chain
 
 _CRC = struct.Struct("<I")
 
@@ -100,7 +106,6 @@ def validate_repo(path: Any, step: int | None = None, *, storage_options: dict[s
 
 def _check_steps_group(repo: Repository, report: Report) -> None:
     """steps/zarr.json: the group document that makes the steps a zarr hierarchy (spec/core.md §3)."""
-    from ucl.errors import SchemaError
 
     what = f"{repo.url}/steps/zarr.json"
     try:
@@ -171,8 +176,6 @@ def _holding(arr: ArrayMeta) -> set[tuple[int, ...]] | None:
     """The chunks of a layout array that hold data, or None for a plain array (every chunk)."""
     if not arr.logical:
         return None
-    from ucl.plan.layout_save import stored_chunks
-    from ucl.plan.save import spec_for_meta
 
     return stored_chunks(spec_for_meta(arr))
 
@@ -259,8 +262,6 @@ def _check_replay(repo: Repository, step: int, meta: StepMeta, report: Report) -
     """Gradient-record steps (spec/delta.md §8): the replay reads the parent's whole state, so the parent
     (and, while it is itself a gradient-record step, its parent) must be sound; each stored gradient must
     have its parameter's shape and dtype. Problems are ``broken_chain`` on this step, naming the parent."""
-    from ucl.delta.chain import DEFAULT_MAX_CHAIN
-    from ucl.errors import DeltaChainError
 
     rec = meta.gradient_records
     grads = {n: meta.arrays[rec.gradient_name(n)] for n in rec.parameters if rec.gradient_name(n) in meta.arrays}
@@ -306,7 +307,6 @@ def _parent_problems(repo: Repository, step: int, record: CommitRecord, meta: St
     if step not in cache and step in report.steps[:-1]:
         cache[step] = [p for p in report.problems if p.step == step]
     if step not in cache:
-        from ucl.tools.validate_chain import validate_chain
 
         found: list[UCLError] = []
         for arr in meta.arrays.values():
@@ -324,7 +324,6 @@ def _parent_problems(repo: Repository, step: int, record: CommitRecord, meta: St
 
 def _check_chain(repo: Repository, step: int, meta: StepMeta, report: Report) -> None:
     """Delta steps: the chain must resolve and every base must be sound (spec/delta.md §7)."""
-    from ucl.tools.validate_chain import validate_chain
 
     for e in validate_chain(repo, step, meta):
         report.add(e, step)
