@@ -250,14 +250,14 @@ def test_a_failed_save_never_leaves_a_gradient_step_without_its_parent(tmp_path:
     model, opt, sched = model_and_optimizer("adamw-foreach")
     want, handles = {}, {}
     with CheckpointManager(path, delta=DeltaPolicy(gradients=True)) as mgr:
-        decide, staged = mgr._decide_kind, threading.Event()
+        decide, staged = mgr._kinds.decide, threading.Event()
 
         def after_step_4_is_staged(job: Any) -> None:
             if job.step == 3:
                 staged.wait(30)
             decide(job)
 
-        mgr._decide_kind = after_step_4_is_staged  # type: ignore[method-assign]
+        mgr._kinds.decide = after_step_4_is_staged  # type: ignore[method-assign]
         for t in range(1, 7):
             train_step(model, opt, sched, t)
             st = state_of(model, opt, t)

@@ -74,7 +74,8 @@ def save(state: Mapping[str, Any], path: str | os.PathLike[str] | Store, step: i
     if mesh is not None:
         raise InvalidArgumentError("mesh= needs a layout= to go with it")
     tensors, tree = structure.flatten(state)
-    comp = {"name": "zstd", "configuration": {"level": 1, "checksum": False}} if compression == "zstd" else None
+    zstd = compression == "zstd"
+    comp = {"name": "zstd", "configuration": {"level": 1, "checksum": False}} if zstd else None
     if compression not in (None, "zstd"):
         raise InvalidArgumentError(f"compression must be None or 'zstd', got {compression!r}")
     arrays = {n: array_for(n, t, compression=comp) for n, t in tensors.items()}  # all checks before any write

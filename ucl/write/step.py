@@ -46,13 +46,14 @@ class StepWriter:
     def begin(self) -> None:
         try:
             self.repo.commit_record(self.step)
-        except CheckpointNotFoundError:  # also StepNotCommittedError: files of an attempt that never committed
+        except CheckpointNotFoundError:  # also StepNotCommittedError: files of an attempt never committed
             self.store.delete_prefix(self.prefix)
         else:
-            raise StepExistsError(f"step {self.step} is already committed in {self.repo.url}; committed steps "
-                                  "never change", file=commit_key(self.step))
+            raise StepExistsError(f"step {self.step} is already committed in {self.repo.url}; committed "
+                                  "steps never change", file=commit_key(self.step))
 
-    def write_shard(self, meta: ArrayMeta, coords: tuple[int, ...], block: torch.Tensor) -> tuple[str, FileEntry]:
+    def write_shard(self, meta: ArrayMeta, coords: tuple[int, ...],
+                    block: torch.Tensor) -> tuple[str, FileEntry]:
         rel = meta.shard_key(coords)
         buffers = encode_shard(meta, coords, block)
         size, _ = self.store.write(f"{self.prefix}/{rel}", buffers)
@@ -67,7 +68,8 @@ class StepWriter:
 
     def _documents(self, meta: StepMeta) -> dict[str, bytes]:
         doc = meta.to_dict()
-        docs = {f"{rel}/zarr.json": metadata.dumps(node) for rel, node in doc["consolidated_metadata"]["metadata"].items()}
+        nodes = doc["consolidated_metadata"]["metadata"]
+        docs = {f"{rel}/zarr.json": metadata.dumps(node) for rel, node in nodes.items()}
         docs["zarr.json"] = metadata.dumps(doc)
         return docs
 
@@ -97,8 +99,8 @@ class StepWriter:
                     list(pool.map(self.store.sync_dir, sorted(dirs)))
         else:  # object stores: every PUT is durable when acknowledged; several in flight
             with ThreadPoolExecutor(COMMIT_THREADS, thread_name_prefix="ucl-commit") as pool:
-                entries.update(pool.map(lambda kv: (kv[0], self.store.write(f"{self.prefix}/{kv[0]}", [kv[1]])),
-                                        docs.items()))
+                entries.update(pool.map(
+                    lambda kv: (kv[0], self.store.write(f"{self.prefix}/{kv[0]}", [kv[1]])), docs.items()))
         record = CommitRecord(step=self.step, kind=meta.kind, parent=meta.parent, files=entries)
         self.store.write_atomic(commit_key(self.step), record.to_bytes())
         return record

@@ -1,0 +1,108 @@
+"""The manager's collectives: a private gloo group carrying small Python objects, and errors as plain data.
+
+The manager makes two of these groups (``CheckpointManager._dist`` for the persister thread's commit
+protocol, ``CheckpointManager._ctl`` for the caller thread's save-time agreement), because two threads
+must never issue collectives on one group: their order could differ between ranks. An error crosses a
+group as a dict (:func:`error_dict`) and is rebuilt as the same UCLError class on every rank
+(:func:`error_from`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import traceback
+from typing import Any
+
+import torch.distributed as dist
+
+from ucl.errors import ALL_CODES, UCLError
+
+
+class Collectives:
+    """Coordination over torch.distributed: a private gloo group, small Python objects only.
+
+    Without an initialised world (or with the default group of a world of one) there is no group and
+    every collective returns its own argument, so one-process saves take the same code path.
+
+    Parameters
+    ----------
+    group
+        The gloo group, or None for a single process.
+    rank, world
+        This process's rank in ``group`` and its size (0 and 1 without a group).
+    """
+
+    def __init__(self, group: Any, rank: int, world: int) -> None:
+        self.group, self.rank, self.world = group, rank, world
+
+    @classmethod
+    def make(cls, process_group: Any, timeout: float) -> Collectives:
+        """A new gloo group over the ranks of ``process_group`` (default: the world), or none.
+
+        Every rank of the group must call it, in the same order as every other ``new_group``.
+        """
+        if not (dist.is_available() and dist.is_initialized()) or (
+                process_group is None and dist.get_world_size() == 1):
+            return cls(None, 0, 1)
+        ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+        group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` on the coordinator (rank 0), in rank order; an empty list elsewhere."""
+        if self.group is None:
+            return [obj]
+        out: list[Any] = [None] * self.world if self.rank == 0 else []
+        dist.gather_object(obj, out if self.rank == 0 else None, dst=dist.get_global_rank(self.group, 0),
+                           group=self.group)
+        return out
+
+    def allgather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` on every rank, in rank order."""
+        if self.group is None:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """The coordinator's ``obj`` on every rank (the other ranks' argument is ignored)."""
+        if self.group is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+    def barrier(self) -> None:
+        """Wait until every rank of the group is here."""
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    def close(self) -> None:
+        """Destroy the group (idempotent)."""
+        if self.group is not None:
+            with contextlib.suppress(Exception):  # the world may already be gone
+                dist.destroy_process_group(self.group)
+            self.group = None
+
+
+def error_dict(e: BaseException, rank: int | None) -> dict[str, Any]:
+    """``e`` as plain data for a collective; ``rank`` (if given) prefixes its message."""
+    where = f"rank {rank}: " if rank is not None else ""
+    if isinstance(e, UCLError):
+        return {"code": e.code, "message": where + e.message, "tensor": e.tensor}
+    return {"code": "invalid_argument", "message": where + describe(e), "tensor": None}
+
+
+def error_from(d: dict[str, Any]) -> UCLError:
+    """The UCLError an :func:`error_dict` describes (its class found by code)."""
+    cls = ALL_CODES.get(d["code"], UCLError)
+    return cls(d["message"], tensor=d.get("tensor"))
+
+
+def describe(e: BaseException) -> str:
+    """One line naming ``e``: ``[code] message`` for a UCLError, else its type and message."""
+    if isinstance(e, UCLError):
+        return f"[{e.code}] {e.message}"
+    return "".join(traceback.format_exception_only(type(e), e)).strip()

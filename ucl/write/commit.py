@@ -1,0 +1,126 @@
+"""The commit protocol of a manager's step, run on every rank once its shards are durable.
+
+Call sequence for one step (the persister thread of every rank; who does each)::
+
+    1. report      every rank       what it wrote: files (path -> size, crc32c), its error, and for a
+                                    delta the arrays it wrote data for           (:meth:`StepCommit.report`)
+    2. gather      every rank       the reports reach the coordinator (the persister's gloo group)
+    3. commit      the coordinator  a verdict from the reports; if every rank succeeded: the step's
+                                    StepMeta (full, delta or gradient records), StepWriter.commit
+                                    (documents, directory syncs, then the commit record), the writer
+                                    lock renewed, retention                     (:meth:`StepCommit.commit`)
+    4. broadcast   every rank       the coordinator's verdict
+    5. conclude    every rank       raise the step's error, or return (the record on the coordinator)
+
+:meth:`StepCommit.run` does all five; a rank never leaves the protocol early, so the collectives of
+every step stay matched across ranks even when some rank failed to write.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ucl.errors import WriteError
+from ucl.format import structure
+from ucl.format.lock import WriterLock
+from ucl.format.metadata import CommitRecord, StepMeta
+from ucl.format.repository import Repository
+from ucl.write.collectives import Collectives, describe
+from ucl.write.job import Job
+from ucl.write.kinds import DeltaBase, delta_array
+from ucl.write.retention import Retention
+from ucl.write.step import FileEntry, StepWriter
+
+
+def full_meta(job: Job) -> StepMeta:
+    """The StepMeta of ``job``'s step stored full (known before its shards are written)."""
+    tree = structure.graft(job.tree, []) if job.plan.layout is not None else job.tree
+    return StepMeta(step=job.step, kind="full", parent=None, tree=tree, arrays=job.plan.arrays,
+                    layout=job.plan.layout, mesh=job.plan.mesh)
+
+
+class StepCommit:
+    """The commit protocol of one manager (its persister thread only).
+
+    Parameters
+    ----------
+    repo
+        The repository.
+    dist
+        The persister's collectives (never used by another thread).
+    lock
+        The writer lock (the coordinator's; None on other ranks), renewed on each commit.
+    retention
+        Run by the coordinator after each commit.
+    """
+
+    def __init__(self, repo: Repository, dist: Collectives, lock: WriterLock | None,
+                 retention: Retention) -> None:
+        self.repo, self.dist, self.lock, self.retention = repo, dist, lock, retention
+
+    def run(self, job: Job, files: dict[str, FileEntry], err: BaseException | None,
+            base: DeltaBase | None) -> CommitRecord | None:
+        """Commit ``job``'s step on every rank (the sequence in the module docstring).
+
+        ``files`` are this rank's durable shards, ``err`` its failure (the step then fails on every rank),
+        ``base`` the staged base its state was encoded against (None: stored whole). Returns the commit
+        record on the coordinator, None elsewhere; raises this rank's error, the coordinator's, or a
+        WriteError naming the first rank's failure.
+        """
+        reports = self.dist.gather(self.report(job, files, err))
+        verdict: dict[str, Any] = {"ok": True}
+        record = None
+        if self.dist.rank == 0:
+            verdict, record, failure = self.commit(job, reports, base)
+            err = err or failure
+        verdict = self.dist.broadcast(verdict)
+        if not verdict["ok"]:
+            if err is not None:
+                raise err
+            raise WriteError(f"step {job.step} was not committed: {verdict['error']}")
+        return record
+
+    def report(self, job: Job, files: dict[str, FileEntry], err: BaseException | None) -> dict[str, Any]:
+        """This rank's report to the coordinator (every rank)."""
+        return {"rank": self.dist.rank, "files": files, "error": None if err is None else describe(err),
+                "changed": sorted(job.changed or ())}
+
+    def commit(self, job: Job, reports: list[dict[str, Any]], base: DeltaBase | None
+               ) -> tuple[dict[str, Any], CommitRecord | None, BaseException | None]:
+        """The coordinator's part: ``(verdict, record, its own failure)`` from every rank's report."""
+        errors = [r["error"] for r in reports if r["error"]]
+        if errors:
+            return {"ok": False, "error": errors[0]}, None, None
+        try:
+            merged: dict[str, FileEntry] = {}
+            for r in reports:
+                merged.update({k: tuple(v) for k, v in r["files"].items()})  # type: ignore[misc]
+            record = StepWriter(self.repo, job.step).commit(self.step_meta(job, reports, base), merged,
+                                                            documents=job.documents)
+            if self.lock is not None:
+                self.lock.renew()
+            self.retention.retain(job.step)
+        except BaseException as e:  # noqa: BLE001 - every rank learns the verdict
+            return {"ok": False, "error": describe(e)}, None, e
+        return {"ok": True}, record, None
+
+    def step_meta(self, job: Job, reports: list[dict[str, Any]], base: DeltaBase | None) -> StepMeta:
+        """The StepMeta of ``job``'s step, of the kind the persister decided."""
+        arrays, parent = job.plan.arrays, None
+        extensions: tuple[dict[str, Any], ...] = ()
+        if base is not None:
+            parent = base.step
+            changed = {n for r in reports for n in r["changed"]}
+            arrays = {n: delta_array(a, n in changed, base.step) for n, a in arrays.items()}
+        if job.kind == "gradients":  # the parameters and optimizer state come from the replay
+            assert job.grad is not None
+            parent = job.grad.parent
+            replayed = job.grad.replayed
+            arrays = {n: a for n, a in arrays.items() if n not in replayed} | job.grad.plan.arrays
+            extensions = (job.grad.records.to_extension(),)
+        tree = job.tree
+        if job.plan.layout is not None:  # the coordinator's JSON values; tensors go by name
+            tree = structure.graft(job.tree, [])
+        return StepMeta(step=job.step, kind="full" if job.kind == "full" else "delta", parent=parent,
+                        tree=tree, arrays=arrays, layout=job.plan.layout, mesh=job.plan.mesh,
+                        extensions=extensions)

@@ -1,0 +1,59 @@
+"""Retention: which committed steps a manager keeps (keep_last / keep_every, and the bases they need)."""
+
+from __future__ import annotations
+
+from ucl.errors import UCLError
+from ucl.format.repository import Repository, commit_key, step_prefix
+
+
+class Retention:
+    """Deletes the steps a manager no longer keeps; the coordinator runs it after each commit.
+
+    Parameters
+    ----------
+    repo
+        The repository.
+    keep_last
+        Keep the newest ``keep_last`` committed steps (None keeps all).
+    keep_every
+        Also keep every step divisible by ``keep_every``.
+    """
+
+    def __init__(self, repo: Repository, keep_last: int | None, keep_every: int | None) -> None:
+        self.repo = repo
+        self.keep_last, self.keep_every = keep_last, keep_every
+
+    def retain(self, newest: int) -> None:
+        """Delete steps outside keep_last/keep_every; never the newest committed step."""
+        if self.keep_last is None:
+            return
+        steps = self.repo.steps()
+        keep = set(steps[-self.keep_last :]) | {newest}
+        if self.keep_every:
+            keep |= {s for s in steps if s % self.keep_every == 0}
+        keep |= needed_bases(self.repo, keep)
+        for s in steps:
+            if s not in keep and s < newest:
+                self.delete_step(s)
+
+    def delete_step(self, step: int) -> None:
+        """Remove a step: its commit record first (the step disappears atomically), then its files."""
+        self.repo.store.delete(commit_key(step))
+        self.repo.store.delete_prefix(step_prefix(step))
+
+
+def needed_bases(repo: Repository, keep: set[int]) -> set[int]:
+    """Steps that kept delta steps depend on (their chains), so retention never breaks a chain."""
+    need: set[int] = set()
+    for s in keep:
+        cur = s
+        for _ in range(1024):
+            try:
+                rec = repo.commit_record(cur)
+            except UCLError:
+                break
+            if rec.parent is None:
+                break
+            need.add(rec.parent)
+            cur = rec.parent
+    return need
