@@ -16,7 +16,8 @@ import ucl
 from ucl.format.repository import Repository
 from ucl.plan.save import all_shards, array_for, shard_block
 from ucl.tools.cli import main
-from ucl.tools.gc import compact, gc
+from ucl.tools.compact import compact
+from ucl.tools.gc import gc
 from ucl.tools.progress import Progress
 from ucl.write.step import StepWriter
 

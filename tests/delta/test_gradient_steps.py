@@ -17,7 +17,7 @@ import ucl
 from ucl.delta.gradients import ReplayWarning
 from ucl.errors import InvalidArgumentError, UnknownExtensionError
 from ucl.format import names, structure
-from ucl.tools.gc import compact
+from ucl.tools.compact import compact
 from ucl.write.manager import CheckpointManager
 from ucl.write.policy import DeltaPolicy
 

@@ -75,7 +75,7 @@ def test_delta_steps_under_a_layout(tmp_path: Any, ref: dict[str, Any]) -> None:
         assert sum(1 for a in ckpt.meta.arrays.values() if a.delta["mode"] == "unchanged") > 0
     assert all(torch.equal(got[n], t) for n, t in want.items())
     assert ucl.validate(path).ok
-    from ucl.tools.gc import compact
+    from ucl.tools.compact import compact
 
     compact(path, 3)  # the delta step rewritten as a full one, through Checkpoint.array
     with ucl.open(path, 3) as ckpt:

@@ -50,6 +50,16 @@ def step_prefix(step: int) -> str:
     return f"steps/{step}"
 
 
+def compaction_prefix(step: int) -> str:
+    """Where ``ucl compact`` stages the full version of step ``step`` (tools/compact.py)."""
+    return f"compact/{step}"
+
+
+def compaction_journal(step: int) -> str:
+    """The journal of an unfinished compaction of step ``step``: the commit record it will write."""
+    return f"compact/{step}.json"
+
+
 def commit_key(step: int) -> str:
     return f"commits/{step}.json"
 

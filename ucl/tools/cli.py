@@ -223,7 +223,7 @@ def cmd_gc(a: argparse.Namespace) -> int:
 
 
 def cmd_compact(a: argparse.Namespace) -> int:
-    from ucl.tools.gc import compact
+    from ucl.tools.compact import compact
 
     r = compact(a.path, a.step, compression=a.compression, force=a.force)
     _print(r.to_dict(), a.json, r.message)

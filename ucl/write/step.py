@@ -2,7 +2,7 @@
 
 Every writer goes through :class:`StepWriter`: :func:`ucl.save` (ucl.write.save), the manager's persister
 (ucl.write.manager, with the C engine moving the bytes), the DCP storage writer (ucl.adapters.dcp), import
-(ucl.tools.convert) and compaction (ucl.tools.gc).
+(ucl.tools.convert) and compaction (ucl.tools.compact).
 """
 
 from __future__ import annotations

@@ -8,12 +8,22 @@ key that could leave the root.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from ucl.errors import InvalidNameError
+from ucl.errors import InvalidArgumentError, InvalidNameError
 
 Buffer = Any  # anything with the buffer protocol: bytes, memoryview, numpy array
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """A file (object) of a store: its key, size and modification time (None when the backend does not say)."""
+
+    key: str
+    size: int
+    mtime: float | None
 
 
 def check_key(key: str) -> str:
@@ -92,6 +102,12 @@ class Store(ABC):
             b[:n] = memoryview(data)[pos : pos + n].cast("B")
             pos += n
         return pos
+
+    def walk(self, prefix: str) -> Iterator[FileInfo]:
+        """Every file under ``prefix`` (recursively; ``prefix`` itself when it is a file), with size and
+        modification time, for maintenance tools (gc, compact). Backends that cannot list raise."""
+        raise InvalidArgumentError(f"cannot list {self.url}: the backend has no filesystem listing")
+        yield  # pragma: no cover  (a generator)
 
     def sync_dir(self, prefix: str) -> None:
         """Make directory entries under ``prefix`` durable (object stores need nothing)."""

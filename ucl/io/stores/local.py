@@ -6,14 +6,13 @@ import ctypes
 import errno
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ucl.errors import InvalidNameError, WriteError
 from ucl.io import native as _native
 from ucl.io.ranges import preadv_all
-from ucl.io.stores.base import Buffer, Store, check_key
-
+from ucl.io.stores.base import Buffer, FileInfo, Store, check_key
 
 
 def _load_syncfs() -> Any:
@@ -146,6 +145,18 @@ class LocalStore(Store):
             os.unlink(self.path(key))
         except FileNotFoundError:
             pass
+
+    def walk(self, prefix: str) -> Iterator[FileInfo]:
+        root = self.path(prefix)
+        if os.path.isfile(root) or os.path.islink(root):
+            st = os.lstat(root)
+            yield FileInfo(prefix, st.st_size, st.st_mtime)
+            return
+        for dirpath, _, filenames in os.walk(root):
+            for f in filenames:
+                p = os.path.join(dirpath, f)
+                st = os.lstat(p)
+                yield FileInfo(os.path.relpath(p, self.root).replace(os.sep, "/"), st.st_size, st.st_mtime)
 
     def sync_dir(self, prefix: str) -> None:
         fsync_dir(self.path(prefix) if prefix else self.root)

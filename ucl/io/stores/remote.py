@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import errno
 import inspect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import fsspec
@@ -27,7 +27,7 @@ import fsspec.asyn
 
 from ucl.errors import UCLError, WriteError
 from ucl.io import native as _native
-from ucl.io.stores.base import Buffer, Store, check_key
+from ucl.io.stores.base import Buffer, FileInfo, Store, check_key
 
 MULTIPART_MIN_BYTES = 64 << 20  # objects at least this large go up in parts, concurrently
 PART_BYTES = 16 << 20  # S3 needs >= 5 MiB for every part but the last, and at most 10,000 parts
@@ -168,6 +168,16 @@ class FsspecStore(Store):
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self.path(key))
 
+    def walk(self, prefix: str) -> Iterator[FileInfo]:
+        try:
+            found = self.fs.find(self.path(prefix), detail=True)
+        except FileNotFoundError:
+            return
+        root = self.root.lstrip("/") + "/"
+        for name, info in found.items():
+            rel = name[name.find(root) + len(root):] if root in name else name
+            yield FileInfo(rel.lstrip("/"), int(info.get("size") or 0), _mtime_of(info))
+
 
 def _accepts(fn: Any, name: str) -> bool:
     try:
@@ -234,3 +244,14 @@ async def _multipart_upload(
         raise
     finally:
         fs.invalidate_cache(path)
+
+
+def _mtime_of(info: dict[str, Any]) -> float | None:
+    for k in ("mtime", "LastModified", "last_modified", "created"):
+        v = info.get(k)
+        if isinstance(v, int | float):
+            return float(v)
+        stamp = getattr(v, "timestamp", None)
+        if callable(stamp):
+            return float(stamp())
+    return None
