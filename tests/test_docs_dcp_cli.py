@@ -64,7 +64,7 @@ def test_doc_snippets_run(name, tmp_path, monkeypatch, capsys) -> None:
     capsys.readouterr()
     assert ran["python"] >= 5 and ran["sh"] >= 2, ran  # the page really was exercised
     if name == "dcp.md":
-        assert ran["skipped"] == 1  # the torchrun example, which tests/test_dcp.py runs on two processes
+        assert ran["skipped"] == 1  # the torchrun example, which tests/adapters/test_dcp.py runs on two processes
 
 
 def test_every_command_is_documented() -> None:

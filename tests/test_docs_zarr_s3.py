@@ -16,7 +16,7 @@ def test_zarr_page(tmp_path, monkeypatch) -> None:
 @pytest.mark.s3
 def test_s3_page(tmp_path, monkeypatch) -> None:
     pytest.importorskip("s3fs")
-    from tests.storage import moto_server
+    from tests.io.stores import moto_server
 
     for k in moto_server.UNSET:
         monkeypatch.delenv(k, raising=False)

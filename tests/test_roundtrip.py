@@ -89,11 +89,10 @@ def test_slices_match_torch(tmp_path, index) -> None:
 
 
 def test_partial_read_reads_only_needed_chunks(tmp_path, monkeypatch) -> None:
-    import ucl.format.shardfile
+    from ucl.options import WriteOptions
 
-    monkeypatch.setattr(ucl.format.shardfile, "INNER_TARGET_BYTES", 64 << 10)  # 64 KiB inner chunks
-    t = torch.randn(1024, 256)  # 1 MiB, 16 inner chunks of 64 rows
-    ucl.save({"t": t}, tmp_path, step=0)
+    t = torch.randn(1024, 256)  # 1 MiB, 16 inner chunks of 64 rows (64 KiB)
+    ucl.save({"t": t}, tmp_path, step=0, options=WriteOptions(inner_chunk_bytes=64 << 10))
     ckpt = ucl.open(tmp_path)
     part = ckpt["t"][128:256]
     assert_bit_exact(part, t[128:256])

@@ -89,3 +89,26 @@ class ReadOptions:
 
 
 DEFAULT_READ = ReadOptions()
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    """How a writer lays out and commits a step (:func:`ucl.save`, :class:`ucl.CheckpointManager`, import,
+    compaction, the DCP writer). Changes the stored chunking, never the values.
+
+    Attributes
+    ----------
+    inner_chunk_bytes
+        Target size of an inner chunk (the unit of a checksum and of a partial read): the largest chunk
+        of at most this many bytes that divides the writer's block, splitting leading dimensions first
+        (:func:`ucl.format.shardfile.choose_inner_chunk`). spec/core.md recommends 1-8 MiB.
+    commit_threads
+        Documents and directory syncs in flight at commit (local filesystems without syncfs, object
+        stores).
+    """
+
+    inner_chunk_bytes: int = 4 << 20
+    commit_threads: int = 16
+
+
+DEFAULT_WRITE = WriteOptions()

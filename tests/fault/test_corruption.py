@@ -19,7 +19,6 @@ import pytest
 import torch
 
 import ucl
-from ucl.format import structure
 from ucl.write.manager import CheckpointManager
 from ucl.write.policy import DeltaPolicy
 
@@ -36,22 +35,18 @@ def pristine(tmp_path_factory) -> tuple[Path, dict[int, dict[str, torch.Tensor]]
     state = {"model": {"emb": torch.randn(300, 16, generator=g), "ln": torch.randn(16, generator=g).bfloat16()},
              "optim": {"m": torch.randn(300, 16, generator=g), "step": torch.tensor(0)}}
     saved = {}
-    import ucl.format.shardfile
+    from ucl.options import WriteOptions
 
-    old = ucl.format.shardfile.INNER_TARGET_BYTES
-    ucl.format.shardfile.INNER_TARGET_BYTES = 4096  # several inner chunks per shard
-    try:
-        with CheckpointManager(root, delta=DeltaPolicy(full_every=3)) as mgr:
-            for step in range(4):
-                saved[step] = ucl.format.structure.flatten(state)[0]
-                saved[step] = {k: v.clone() for k, v in saved[step].items()}
-                mgr.save(step, state)
-                state["model"]["emb"][step * 7] += 1
-                state["optim"]["m"].mul_(0.5)
-                state["optim"]["step"] += 1
-            mgr.wait()
-    finally:
-        ucl.format.shardfile.INNER_TARGET_BYTES = old
+    # several inner chunks per shard
+    with CheckpointManager(root, delta=DeltaPolicy(full_every=3), options=WriteOptions(inner_chunk_bytes=4096)) as mgr:
+        for step in range(4):
+            saved[step] = ucl.format.structure.flatten(state)[0]
+            saved[step] = {k: v.clone() for k, v in saved[step].items()}
+            mgr.save(step, state)
+            state["model"]["emb"][step * 7] += 1
+            state["optim"]["m"].mul_(0.5)
+            state["optim"]["step"] += 1
+        mgr.wait()
     assert ucl.validate(root).ok
     return root, saved
 

@@ -69,9 +69,10 @@ from ucl.format import dtypes, names, structure
 from ucl.format.metadata import ArrayMeta, CommitRecord, StepMeta
 from ucl.format.repository import Repository, check_step
 from ucl.format.shardfile import choose_inner_chunk
-from ucl.read.chunks import Request
+from ucl.options import DEFAULT_WRITE, WriteOptions
 from ucl.read.checkpoint import Checkpoint
 from ucl.read.checkpoint import open as open_step
+from ucl.read.chunks import Request
 from ucl.write.step import StepWriter
 
 __all__ = ["MAX_SHARDS_PER_TENSOR", "Reader", "Writer", "chunk_grid"]
@@ -239,8 +240,10 @@ class Writer(StorageWriter):
     """
 
     def __init__(self, path: str | os.PathLike[str], step: int | None = None, *,
-                 storage_options: dict[str, Any] | None = None, compression: str | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, compression: str | None = None,
+                 options: WriteOptions = DEFAULT_WRITE) -> None:
         super().__init__()
+        self.options = options
         if compression not in (None, "zstd"):
             raise InvalidArgumentError(f"compression must be None or 'zstd', got {compression!r}")
         self.path = os.fspath(path)
@@ -315,10 +318,10 @@ class Writer(StorageWriter):
             shape = tuple(int(s) for s in td.size)
             chunk = chunk_grid(fqn, shape, boxes[fqn])
             dtype = dtypes.from_torch(td.properties.dtype)
+            inner = choose_inner_chunk(chunk, dtypes.itemsize(dtype), self.options.inner_chunk_bytes)
             arrays[fqn] = ArrayMeta(name=name, shape=shape, dtype=dtype, chunk_shape=chunk,
-                                    inner_chunk_shape=choose_inner_chunk(chunk, dtypes.itemsize(dtype)),
-                                    compression=self.compression)
-        writer = StepWriter(repo, step)
+                                    inner_chunk_shape=inner, compression=self.compression)
+        writer = StepWriter(repo, step, commit_threads=self.options.commit_threads)
         writer.begin()
         self._step_writer, self._arrays, self._paths = writer, arrays, paths
         out = []

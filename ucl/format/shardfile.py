@@ -22,7 +22,7 @@ from ucl.format.metadata import ArrayMeta
 from ucl.io import native as _native
 
 EMPTY = (1 << 64) - 1
-INNER_TARGET_BYTES = 4 << 20
+INNER_CHUNK_BYTES = 4 << 20  # the default target (ucl.options.WriteOptions.inner_chunk_bytes)
 _CRC = struct.Struct("<I")
 
 
@@ -36,7 +36,7 @@ def choose_inner_chunk(block: tuple[int, ...], itemsize: int, target: int | None
     Splitting only leading dimensions keeps each inner chunk one contiguous run of the writer's tensor,
     so shards are written and read without copies.
     """
-    target = INNER_TARGET_BYTES if target is None else target
+    target = INNER_CHUNK_BYTES if target is None else target
     inner = list(block)
     for d in range(len(inner)):
         rest = math.prod(inner[d + 1 :]) * itemsize

@@ -22,7 +22,7 @@ import torch
 from ucl.errors import InvalidArgumentError
 from ucl.format import dtypes, names
 from ucl.format.metadata import ArrayMeta
-from ucl.format.shardfile import choose_inner_chunk
+from ucl.format.shardfile import INNER_CHUNK_BYTES, choose_inner_chunk
 from ucl.layout import Layout, Mesh
 from ucl.layout.resolve import Resolver
 from ucl.layout.transforms import make_tile
@@ -74,16 +74,18 @@ class SavePlan:
         return {w.source for w in self.writes}
 
 
-def single(tensors: dict[str, torch.Tensor], compression: dict[str, Any] | None = None) -> SavePlan:
-    arrays = {n: array_for(n, t, compression=compression) for n, t in tensors.items()}
+def single(tensors: dict[str, torch.Tensor], compression: dict[str, Any] | None = None,
+           inner_bytes: int = INNER_CHUNK_BYTES) -> SavePlan:
+    arrays = {n: array_for(n, t, compression=compression, inner_bytes=inner_bytes) for n, t in tensors.items()}
     return SavePlan(arrays, [LocalWrite(a, c, n) for n, a in arrays.items() for c in all_shards(a)])
 
 
 def replicated(
-    tensors: dict[str, torch.Tensor], rank: int, world: int, compression: dict[str, Any] | None = None
+    tensors: dict[str, torch.Tensor], rank: int, world: int, compression: dict[str, Any] | None = None,
+    inner_bytes: int = INNER_CHUNK_BYTES,
 ) -> SavePlan:
     """Every rank holds the same tensors: each is written by one rank, bytes balanced (largest first)."""
-    arrays = {n: array_for(n, t, compression=compression) for n, t in tensors.items()}
+    arrays = {n: array_for(n, t, compression=compression, inner_bytes=inner_bytes) for n, t in tensors.items()}
     load = [0] * world
     owner: dict[str, int] = {}
     for n in sorted(arrays, key=lambda n: (-arrays[n].nbytes, n)):
@@ -114,7 +116,7 @@ def plan_rank(
     return plan_save(layout, mesh, rank, local, shapes=shapes)
 
 
-def inner_chunk_for(spec: Any, split: Sequence[int] = ()) -> tuple[int, ...]:
+def inner_chunk_for(spec: Any, split: Sequence[int] = (), inner_bytes: int = INNER_CHUNK_BYTES) -> tuple[int, ...]:
     """The inner chunk of a layout array: :func:`ucl.format.shardfile.choose_inner_chunk` of its chunk (the rank's
     block), after splitting its first dimension and the dimensions ``split``: each halved in turn (the
     last dimension first), while it stays within SPLIT pieces, the inner chunk at least MIN_INNER_BYTES
@@ -138,7 +140,7 @@ def inner_chunk_for(spec: Any, split: Sequence[int] = ()) -> tuple[int, ...]:
             if d > lead and math.prod(cand[d:]) * itemsize < MIN_RUN_BYTES:
                 continue
             pre, parts[d], grown = cand, k, True
-    return choose_inner_chunk(tuple(pre), itemsize)
+    return choose_inner_chunk(tuple(pre), itemsize, inner_bytes)
 
 
 def split_dims(
@@ -167,7 +169,8 @@ def split_dims(
 
 
 def meta_for_spec(
-    spec: Any, compression: dict[str, Any] | None = None, split: Sequence[int] = ()
+    spec: Any, compression: dict[str, Any] | None = None, split: Sequence[int] = (),
+    inner_bytes: int = INNER_CHUNK_BYTES,
 ) -> ArrayMeta:
     """The stored-array metadata of a layout array (``ucl.layout.ArraySpec``)."""
     return ArrayMeta(
@@ -175,7 +178,7 @@ def meta_for_spec(
         shape=tuple(spec.shape),
         dtype=spec.dtype,
         chunk_shape=tuple(max(1, c) for c in spec.chunk_shape),
-        inner_chunk_shape=inner_chunk_for(spec, split),
+        inner_chunk_shape=inner_chunk_for(spec, split, inner_bytes),
         compression=compression,
         logical=dict(spec.logical) if spec.logical else None,
     )
@@ -190,7 +193,8 @@ def spec_for_meta(meta: ArrayMeta) -> Any:
 
 
 def from_layout(
-    rank_plan: Any, arrays: Mapping[str, Any] | None = None, compression: dict[str, Any] | None = None
+    rank_plan: Any, arrays: Mapping[str, Any] | None = None, compression: dict[str, Any] | None = None,
+    inner_bytes: int = INNER_CHUNK_BYTES,
 ) -> SavePlan:
     """The engine's plan from a rank's ``ucl.layout.SavePlan``.
 
@@ -200,7 +204,7 @@ def from_layout(
 
     specs = dict(arrays if arrays is not None else rank_plan.arrays)
     split = split_dims(rank_plan.layout_json, rank_plan.mesh_json, specs)
-    metas = {n: meta_for_spec(s, compression, split.get(n, ())) for n, s in specs.items()}
+    metas = {n: meta_for_spec(s, compression, split.get(n, ()), inner_bytes) for n, s in specs.items()}
     writes = []
     for w in rank_plan.writes:
         meta = metas[w.array.name]
@@ -242,14 +246,14 @@ def block_of(w: LocalWrite, local: torch.Tensor) -> torch.Tensor:
 
 
 def array_for(name: str, t: torch.Tensor, chunk_shape: tuple[int, ...] | None = None,
-              compression: dict[str, Any] | None = None) -> ArrayMeta:
+              compression: dict[str, Any] | None = None, inner_bytes: int = INNER_CHUNK_BYTES) -> ArrayMeta:
     """The stored-array metadata for a tensor written whole by one writer (or with a given block)."""
     if not isinstance(t, torch.Tensor):
         raise InvalidArgumentError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor", tensor=name)
     dtype = dtypes.from_torch(t.dtype)
     shape = tuple(t.shape)
     block = tuple(max(1, s) for s in (chunk_shape or shape))
-    inner = choose_inner_chunk(block, dtypes.itemsize(dtype))
+    inner = choose_inner_chunk(block, dtypes.itemsize(dtype), inner_bytes)
     return ArrayMeta(name=names.check_name(name), shape=shape, dtype=dtype, chunk_shape=block,
                      inner_chunk_shape=inner, compression=compression)
 

@@ -1,6 +1,6 @@
 """Run a function on N real processes joined in a torch.distributed (gloo) group on localhost.
 
-``run(world, "tests.engine.dist_cases:save_replicated", {"path": ...})`` starts ``world`` Python processes,
+``run(world, "tests.write.dist_cases:save_replicated", {"path": ...})`` starts ``world`` Python processes,
 each calling ``init_process_group("gloo")`` then the function with ``(rank, world, **kwargs)``; returns
 their JSON-able results by rank, or raises with every failed rank's stderr.
 """

@@ -48,6 +48,7 @@ from ucl.format.repository import (
 from ucl.format.shardfile import choose_inner_chunk, encode_shard, shard_digest
 from ucl.io.stores.base import Store
 from ucl.io.stores.local import LocalStore
+from ucl.options import DEFAULT_WRITE, WriteOptions
 from ucl.plan.save import all_shards, array_for
 from ucl.read.checkpoint import Checkpoint
 from ucl.tools.progress import Progress
@@ -79,7 +80,7 @@ def _journal(step: int) -> str:
 
 def compact(path: Any, step: int, *, compression: str | None = None, force: bool = False,
             storage_options: dict[str, Any] | None = None, progress: bool | None = None,
-            _hook: Callable[[str], None] | None = None) -> CompactResult:
+            options: WriteOptions = DEFAULT_WRITE, _hook: Callable[[str], None] | None = None) -> CompactResult:
     """Rewrite committed delta step ``step`` as a full step with the same number (protocol: module doc).
 
     Parameters
@@ -121,7 +122,7 @@ def compact(path: Any, step: int, *, compression: str | None = None, force: bool
         meta = repo.step_meta(step, record)
         if meta.kind == "full" and not force:
             return CompactResult(step, False, f"step {step} is already a full step: nothing to do")
-        new_record, nbytes = _stage(repo, step, record, meta, compression, progress)
+        new_record, nbytes = _stage(repo, step, record, meta, compression, progress, options)
         hook("staged")
         repo.store.write_atomic(compaction_journal(step), new_record.to_bytes())
         hook("journal")
@@ -132,14 +133,14 @@ def compact(path: Any, step: int, *, compression: str | None = None, force: bool
 
 
 def _stage(repo: Repository, step: int, record: CommitRecord, meta: StepMeta, compression: str | None,
-           progress: bool | None) -> tuple[CommitRecord, int]:
+           progress: bool | None, options: WriteOptions) -> tuple[CommitRecord, int]:
     """Write the full version of ``step`` under compact/<step>/; return its commit record-to-be and size."""
     store = repo.store
     staging = compaction_prefix(step)
     store.delete_prefix(staging)
     comp = {"name": "zstd", "configuration": {"level": 1, "checksum": False}} if compression == "zstd" else None
     arrays = {n: ArrayMeta(name=a.name, shape=a.shape, dtype=a.dtype, chunk_shape=a.chunk_shape,
-                           inner_chunk_shape=choose_inner_chunk(a.chunk_shape, a.itemsize), compression=comp,
+                           inner_chunk_shape=choose_inner_chunk(a.chunk_shape, a.itemsize, options.inner_chunk_bytes), compression=comp,
                            logical=a.logical) for n, a in meta.arrays.items()}
     extensions = meta.extensions
     files: dict[str, FileEntry] = {}
@@ -149,7 +150,8 @@ def _stage(repo: Repository, step: int, record: CommitRecord, meta: StepMeta, co
             arrays = {}
             for n in ckpt.keys():
                 t = ckpt[n]
-                arrays[n] = array_for(n, torch.empty(t.shape, dtype=t.dtype, device="meta"), compression=comp)
+                arrays[n] = array_for(n, torch.empty(t.shape, dtype=t.dtype, device="meta"), compression=comp,
+                                     inner_bytes=options.inner_chunk_bytes)
             extensions = tuple(e for e in extensions if e.get("name") != GRADIENT_RECORDS)
         for name, a in arrays.items():
             # the stored array (a layout step's ckpt[name] is the logical tensor); a gradient step's tensor

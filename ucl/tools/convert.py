@@ -41,6 +41,7 @@ from ucl.format import names, structure
 from ucl.format.metadata import CommitRecord, StepMeta
 from ucl.format.repository import Repository, check_step
 from ucl.format.shardfile import as_bytes
+from ucl.options import DEFAULT_WRITE, WriteOptions
 from ucl.plan.save import all_shards, array_for, shard_block
 from ucl.read.checkpoint import open as open_step
 from ucl.tools.progress import Progress
@@ -82,7 +83,7 @@ class _StepBuilder:
     """Writes one tensor at a time into a new step; ``commit`` writes the documents and the record."""
 
     def __init__(self, dst: Any, step: int | None, storage_options: dict[str, Any] | None,
-                 compression: str | None) -> None:
+                 compression: str | None, options: WriteOptions = DEFAULT_WRITE) -> None:
         if compression not in (None, "zstd"):
             raise InvalidArgumentError(f"compression must be None or 'zstd', got {compression!r}")
         self.comp = {"name": "zstd", "configuration": {"level": 1, "checksum": False}} if compression else None
@@ -90,7 +91,8 @@ class _StepBuilder:
         if step is None:
             latest = repo.latest()
             step = 0 if latest is None else latest + 1
-        self.writer = StepWriter(repo, check_step(step))
+        self.writer = StepWriter(repo, check_step(step), commit_threads=options.commit_threads)
+        self.inner_bytes = options.inner_chunk_bytes
         self.writer.begin()
         self.arrays: dict[str, Any] = {}
         self.files: dict[str, FileEntry] = {}
@@ -100,7 +102,7 @@ class _StepBuilder:
         return self.writer.step
 
     def add(self, name: str, t: torch.Tensor) -> int:
-        meta = array_for(name, t, compression=self.comp)
+        meta = array_for(name, t, compression=self.comp, inner_bytes=self.inner_bytes)
         t = t.detach().to("cpu")
         for coords in all_shards(meta):
             rel, entry = self.writer.write_shard(meta, coords, shard_block(meta, coords, t))
@@ -152,7 +154,7 @@ def source_kind(src: str | os.PathLike[str]) -> str:
 
 def import_checkpoint(src: str | os.PathLike[str], dst: Any, step: int | None = None, *,
                       storage_options: dict[str, Any] | None = None, compression: str | None = None,
-                      progress: bool | None = None) -> ImportResult:
+                      progress: bool | None = None, options: WriteOptions = DEFAULT_WRITE) -> ImportResult:
     """Write the checkpoint at ``src`` as a new committed full step of the repository ``dst``.
 
     Parameters
@@ -186,10 +188,10 @@ def import_checkpoint(src: str | os.PathLike[str], dst: Any, step: int | None = 
     kind = source_kind(src)
     src = os.fspath(src)
     if kind == "safetensors":
-        return _import_safetensors(src, dst, step, storage_options, compression, progress)
+        return _import_safetensors(src, dst, step, storage_options, compression, progress, options)
     if kind == "dcp":
-        return _import_dcp(src, dst, step, storage_options, compression, progress)
-    return _import_torch(src, dst, step, storage_options, compression, progress)
+        return _import_dcp(src, dst, step, storage_options, compression, progress, options)
+    return _import_torch(src, dst, step, storage_options, compression, progress, options)
 
 
 # safetensors ---------------------------------------------------------------------------------------
@@ -231,7 +233,7 @@ def _safetensors_files(src: str) -> tuple[str, dict[str, str], dict[str, Any] | 
 
 
 def _import_safetensors(src: str, dst: Any, step: int | None, so: dict[str, Any] | None, comp: str | None,
-                        progress: bool | None) -> ImportResult:
+                        progress: bool | None, options: WriteOptions) -> ImportResult:
     from safetensors import safe_open
 
     folder, weight_map, index_meta, index_name = _safetensors_files(src)
@@ -241,7 +243,7 @@ def _import_safetensors(src: str, dst: Any, step: int | None, so: dict[str, Any]
     for name, fname in weight_map.items():
         by_file.setdefault(fname, []).append(name)
     total = sum(os.path.getsize(os.path.join(folder, f)) for f in by_file if os.path.isfile(os.path.join(folder, f)))
-    builder = _StepBuilder(dst, step, so, comp)
+    builder = _StepBuilder(dst, step, so, comp, options)
     file_meta: dict[str, Any] = {}
     nbytes = 0
     with Progress(total, "import", enabled=progress) as bar:
@@ -268,7 +270,7 @@ def _import_safetensors(src: str, dst: Any, step: int | None, so: dict[str, Any]
 
 # torch.save ----------------------------------------------------------------------------------------
 def _import_torch(src: str, dst: Any, step: int | None, so: dict[str, Any] | None, comp: str | None,
-                  progress: bool | None) -> ImportResult:
+                  progress: bool | None, options: WriteOptions) -> ImportResult:
     try:
         try:
             obj = torch.load(src, map_location="cpu", weights_only=True, mmap=True)
@@ -286,7 +288,7 @@ def _import_torch(src: str, dst: Any, step: int | None, so: dict[str, Any] | Non
     except (RuntimeError, EOFError, OSError) as e:
         raise InvalidArgumentError(f"{src} is not a torch.save file: {e}", file=src) from None
     tensors, tree = structure.flatten(obj)
-    builder = _StepBuilder(dst, step, so, comp)
+    builder = _StepBuilder(dst, step, so, comp, options)
     nbytes = 0
     with Progress(sum(t.numel() * t.element_size() for t in tensors.values()), "import", enabled=progress) as bar:
         for name in list(tensors):
@@ -366,7 +368,7 @@ def _dcp_classes() -> tuple[type, type]:
 
 
 def _import_dcp(src: str, dst: Any, step: int | None, so: dict[str, Any] | None, comp: str | None,
-                progress: bool | None) -> ImportResult:
+                progress: bool | None, options: WriteOptions) -> ImportResult:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
@@ -394,7 +396,7 @@ def _import_dcp(src: str, dst: Any, step: int | None, so: dict[str, Any] | None,
         got = load({f: None for f in values}).values
         for f in values:
             leaves[paths[f]] = json_node(f, got[f])
-    builder = _StepBuilder(dst, step, so, comp)
+    builder = _StepBuilder(dst, step, so, comp, options)
     nbytes = 0
     total = sum(math.prod(m.size) * m.properties.dtype.itemsize for m in tensors.values())
     with Progress(total, "import", enabled=progress) as bar:

@@ -55,8 +55,9 @@ class StepCommit:
     """
 
     def __init__(self, repo: Repository, dist: Collectives, lock: WriterLock | None,
-                 retention: Retention) -> None:
+                 retention: Retention, commit_threads: int) -> None:
         self.repo, self.dist, self.lock, self.retention = repo, dist, lock, retention
+        self.commit_threads = commit_threads
 
     def run(self, job: Job, files: dict[str, FileEntry], err: BaseException | None,
             base: DeltaBase | None) -> CommitRecord | None:
@@ -95,7 +96,7 @@ class StepCommit:
             merged: dict[str, FileEntry] = {}
             for r in reports:
                 merged.update({k: tuple(v) for k, v in r["files"].items()})  # type: ignore[misc]
-            record = StepWriter(self.repo, job.step).commit(self.step_meta(job, reports, base), merged,
+            record = StepWriter(self.repo, job.step, commit_threads=self.commit_threads).commit(self.step_meta(job, reports, base), merged,
                                                             documents=job.documents)
             if self.lock is not None:
                 self.lock.renew()

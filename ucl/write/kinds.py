@@ -74,8 +74,9 @@ class StepKinds:
     """
 
     def __init__(self, policy: DeltaPolicy | None, staging: Staging, ctl: Collectives, rank: int,
-                 world: int) -> None:
+                 world: int, inner_bytes: int) -> None:
         self.policy = policy
+        self.inner_bytes = inner_bytes
         self._staging = staging
         self._ctl = ctl
         self.rank, self.world = rank, world
@@ -110,8 +111,8 @@ class StepKinds:
         key = tuple((n, tuple(t.shape), t.dtype) for n, t in grads.items())
         if key not in self._grad_plans:
             zstd = {"name": "zstd", "configuration": {"level": 1, "checksum": False}}
-            self._grad_plans = {key: saveplan.single(grads, zstd) if self.world == 1 else
-                                saveplan.replicated(grads, self.rank, self.world, zstd)}
+            self._grad_plans = {key: saveplan.single(grads, zstd, self.inner_bytes) if self.world == 1 else
+                                saveplan.replicated(grads, self.rank, self.world, zstd, self.inner_bytes)}
         rec = GradientRecords(base_step=self._last_saved, fingerprint=optimizer_fingerprint(optimizer),
                               gradients=gp, parameters=tuple(params), optimizer_state=prefix,
                               param_groups=tuple(dict(g) for g in self._tracker.param_groups))

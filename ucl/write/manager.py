@@ -42,6 +42,7 @@ from ucl.format.lock import WriterLock
 from ucl.format.metadata import CommitRecord
 from ucl.format.repository import Repository, check_step, commit_key, step_prefix
 from ucl.layout import as_layout, as_mesh
+from ucl.options import DEFAULT_WRITE, WriteOptions
 from ucl.plan import save as saveplan
 from ucl.read.load import load
 from ucl.write.collectives import Collectives
@@ -84,6 +85,9 @@ class CheckpointManager:
         collectives.
     compression
         None (default) or ``"zstd"`` (level 1) for the arrays' shards.
+    options
+        How steps are laid out and committed (:class:`ucl.options.WriteOptions`: inner chunk size, commit
+        concurrency); never the values.
     delta
         None (every step full), True (default :class:`ucl.write.policy.DeltaPolicy`) or a DeltaPolicy:
         steps are then stored as bit-exact deltas against a staged copy of their base (spec/delta.md; the
@@ -151,7 +155,7 @@ class CheckpointManager:
                  direct: bool | None = None, process_group: Any = None, compression: str | None = None,
                  delta: Any = None, interval: AdaptiveInterval | None = None,
                  storage_options: dict[str, Any] | None = None, timeout: float = 600.0,
-                 layout: Any = None, mesh: Any = None) -> None:
+                 layout: Any = None, mesh: Any = None, options: WriteOptions = DEFAULT_WRITE) -> None:
         if when_busy not in ("wait", "skip"):
             raise InvalidArgumentError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
         for n, v in (("keep_last", keep_last), ("keep_every", keep_every)):
@@ -202,12 +206,13 @@ class CheckpointManager:
         self.repo = self._open_repo(path, storage_options)
         self._lock = WriterLock.acquire(self.repo) if self.rank == 0 else None
         codec = {"name": "zstd", "configuration": {"level": 1, "checksum": False}} if compression else None
-        self._planner = Planner(self._ctl, self.rank, self.world, codec, self.layout, self.mesh, dtensor)
+        self._planner = Planner(self._ctl, self.rank, self.world, codec, self.layout, self.mesh, dtensor,
+                                options.inner_chunk_bytes)
         self._staging = Staging(staging_bytes, 3 if delta is not None else 2)
-        self._kinds = StepKinds(delta, self._staging, self._ctl, self.rank, self.world)
+        self._kinds = StepKinds(delta, self._staging, self._ctl, self.rank, self.world, options.inner_chunk_bytes)
         self._shards = ShardWriter(self.repo, self.rank, writer_threads, direct)
         self._retention = Retention(self.repo, keep_last, keep_every)
-        self._committer = StepCommit(self.repo, self._dist, self._lock, self._retention)
+        self._committer = StepCommit(self.repo, self._dist, self._lock, self._retention, options.commit_threads)
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._pending: list[SaveHandle] = []
         self._closed = False

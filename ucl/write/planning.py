@@ -36,8 +36,9 @@ class Planner:
     """
 
     def __init__(self, ctl: Collectives, rank: int, world: int, compression: dict[str, Any] | None,
-                 layout: Any, mesh: Any, dtensor: bool) -> None:
+                 layout: Any, mesh: Any, dtensor: bool, inner_bytes: int) -> None:
         self._ctl = ctl
+        self.inner_bytes = inner_bytes
         self.rank, self.world = rank, world
         self.compression = compression
         self.layout, self.mesh, self.dtensor = layout, mesh, dtensor
@@ -52,9 +53,9 @@ class Planner:
             plan = self.plans.get(key)
             if plan is None:
                 if self.world == 1:
-                    plan = saveplan.single(tensors, self.compression)
+                    plan = saveplan.single(tensors, self.compression, self.inner_bytes)
                 else:
-                    plan = saveplan.replicated(tensors, self.rank, self.world, self.compression)
+                    plan = saveplan.replicated(tensors, self.rank, self.world, self.compression, self.inner_bytes)
                 self.plans = {key: plan}  # one cached plan: the state's shapes rarely change
             return plan
         layout, mesh, rank_in_mesh = self._source()
@@ -102,7 +103,7 @@ class Planner:
         if not verdict["ok"]:
             raise error_from(verdict["error"])
         assert rank_plan is not None
-        return saveplan.from_layout(rank_plan, merged, self.compression)
+        return saveplan.from_layout(rank_plan, merged, self.compression, self.inner_bytes)
 
     def dtensor_locals(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The local shards of a DTensor state (its layout derived from the placements, cached)."""

@@ -16,6 +16,7 @@ from ucl.format.metadata import CommitRecord, StepMeta
 from ucl.format.repository import Repository
 from ucl.io.stores import Store
 from ucl.layout import as_layout, as_mesh
+from ucl.options import DEFAULT_WRITE, WriteOptions
 from ucl.plan import save as saveplan
 from ucl.plan.layout_save import merge_plans
 from ucl.plan.save import all_shards, array_for, shard_block
@@ -26,7 +27,7 @@ __all__ = ["save", "save_sharded"]
 
 def save(state: Mapping[str, Any], path: str | os.PathLike[str] | Store, step: int, *,
          storage_options: dict[str, Any] | None = None, compression: str | None = None,
-         layout: Any = None, mesh: Any = None, rank: int = 0) -> CommitRecord:
+         layout: Any = None, mesh: Any = None, rank: int = 0, options: WriteOptions = DEFAULT_WRITE) -> CommitRecord:
     """Write ``state`` as a committed full step (the synchronous reference writer).
 
     Parameters
@@ -47,6 +48,9 @@ def save(state: Mapping[str, Any], path: str | os.PathLike[str] | Store, step: i
         (spec/layout.md): the step records the layout and its logical
         tensors (e.g. a padded vocabulary stored without its padding). For many ranks use
         :class:`ucl.CheckpointManager` on each, or :func:`save_sharded`.
+    options
+        How the step is laid out and committed (:class:`ucl.options.WriteOptions`: inner chunk size,
+        commit concurrency); never the values.
 
     Returns
     -------
@@ -70,7 +74,7 @@ def save(state: Mapping[str, Any], path: str | os.PathLike[str] | Store, step: i
                 "ucl.save_sharded)"
             )
         return save_sharded([state], path, step, layout=lay, mesh=m, storage_options=storage_options,
-                            compression=compression)
+                            compression=compression, options=options)
     if mesh is not None:
         raise InvalidArgumentError("mesh= needs a layout= to go with it")
     tensors, tree = structure.flatten(state)
@@ -78,9 +82,10 @@ def save(state: Mapping[str, Any], path: str | os.PathLike[str] | Store, step: i
     comp = {"name": "zstd", "configuration": {"level": 1, "checksum": False}} if zstd else None
     if compression not in (None, "zstd"):
         raise InvalidArgumentError(f"compression must be None or 'zstd', got {compression!r}")
-    arrays = {n: array_for(n, t, compression=comp) for n, t in tensors.items()}  # all checks before any write
+    arrays = {n: array_for(n, t, compression=comp, inner_bytes=options.inner_chunk_bytes)  # all checks before any write
+              for n, t in tensors.items()}
     repo = Repository.open(path, storage_options, create=True)
-    w = StepWriter(repo, step)
+    w = StepWriter(repo, step, commit_threads=options.commit_threads)
     w.begin()
     files: dict[str, FileEntry] = {}
     for name, t in tensors.items():
@@ -102,6 +107,7 @@ def save_sharded(
     mesh: Any = None,
     storage_options: dict[str, Any] | None = None,
     compression: str | None = None,
+    options: WriteOptions = DEFAULT_WRITE,
 ) -> CommitRecord:
     """Write one step from the local states of every rank of (layout, mesh), in one process (states[r] is
     rank r's): e.g. to convert per-rank checkpoints of a parallel job. The same step a distributed
@@ -115,9 +121,9 @@ def save_sharded(
     local = [saveplan.local_shapes(t) for t, _ in flat]
     rank_plans = [saveplan.plan_rank(layout, mesh, r, local[r], local) for r in range(mesh.size)]
     merged = merge_plans(rank_plans)
-    plans = [saveplan.from_layout(p, merged, comp) for p in rank_plans]
+    plans = [saveplan.from_layout(p, merged, comp, options.inner_chunk_bytes) for p in rank_plans]
     repo = Repository.open(path, storage_options, create=True)
-    w = StepWriter(repo, step)
+    w = StepWriter(repo, step, commit_threads=options.commit_threads)
     w.begin()
     files: dict[str, tuple[int, int]] = {}
     for (tensors, _), plan in zip(flat, plans, strict=True):

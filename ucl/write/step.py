@@ -20,7 +20,6 @@ from ucl.format.shardfile import encode_shard, shard_digest
 from ucl.io.stores.base import Store
 
 FileEntry = tuple[int, int]  # (size, crc32c)
-COMMIT_THREADS = 16
 
 
 class StepWriter:
@@ -37,10 +36,11 @@ class StepWriter:
        commit record atomically. The step exists from that moment, and not before.
     """
 
-    def __init__(self, repo: Repository, step: int) -> None:
+    def __init__(self, repo: Repository, step: int, *, commit_threads: int = 16) -> None:
         self.repo = repo
         self.store: Store = repo.store
         self.step = check_step(step)
+        self.commit_threads = commit_threads
         self.prefix = step_prefix(self.step)
 
     def begin(self) -> None:
@@ -90,7 +90,7 @@ class StepWriter:
             for rel, data in docs.items():
                 entries[rel] = self.store.write(f"{self.prefix}/{rel}", [data], durable=False)
             if not self.store.sync_all():
-                with ThreadPoolExecutor(COMMIT_THREADS, thread_name_prefix="ucl-commit") as pool:
+                with ThreadPoolExecutor(self.commit_threads, thread_name_prefix="ucl-commit") as pool:
                     list(pool.map(lambda rel: self.store.write(f"{self.prefix}/{rel}", [docs[rel]]), docs))
                     dirs = {self.prefix, "steps"}
                     for rel in entries:
@@ -98,7 +98,7 @@ class StepWriter:
                         dirs.update("/".join(parts[:i]) for i in range(3, len(parts) + 1))
                     list(pool.map(self.store.sync_dir, sorted(dirs)))
         else:  # object stores: every PUT is durable when acknowledged; several in flight
-            with ThreadPoolExecutor(COMMIT_THREADS, thread_name_prefix="ucl-commit") as pool:
+            with ThreadPoolExecutor(self.commit_threads, thread_name_prefix="ucl-commit") as pool:
                 entries.update(pool.map(
                     lambda kv: (kv[0], self.store.write(f"{self.prefix}/{kv[0]}", [kv[1]])), docs.items()))
         record = CommitRecord(step=self.step, kind=meta.kind, parent=meta.parent, files=entries)

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 from referencing import Registry, Resource
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_DIR = ROOT / "spec" / "schemas"
 VALID = ROOT / "conformance" / "fixtures" / "valid"
 SCHEMAS = {p.name: json.loads(p.read_text()) for p in sorted(SCHEMA_DIR.glob("*.schema.json"))}

@@ -13,11 +13,11 @@ import torch
 
 import ucl
 import ucl.format.shardfile
-from ucl.errors import ChecksumError, ShardSizeError
 import ucl.io.ranges
+from ucl.errors import ChecksumError, ShardSizeError
 from ucl.io.pagecache import mostly_cached
 from ucl.io.ranges import RangeReader
-from ucl.options import ReadOptions
+from ucl.options import ReadOptions, WriteOptions
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -44,10 +44,10 @@ def _drop(root: Path) -> None:
 
 @pytest.fixture()
 def saved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[str, torch.Tensor]]:
-    monkeypatch.setattr(ucl.format.shardfile, "INNER_TARGET_BYTES", 300_000)
     st = _state()
-    ucl.save({k: v for k, v in st.items() if k != "z"}, tmp_path / "r", step=0)
-    ucl.save({"z": st["z"]}, tmp_path / "rz", step=0, compression="zstd")
+    opts = WriteOptions(inner_chunk_bytes=300_000)
+    ucl.save({k: v for k, v in st.items() if k != "z"}, tmp_path / "r", step=0, options=opts)
+    ucl.save({"z": st["z"]}, tmp_path / "rz", step=0, compression="zstd", options=opts)
     return tmp_path, st
 
 
@@ -176,9 +176,8 @@ def test_an_absent_chunk_is_an_error_on_every_path(tmp_path, monkeypatch, index)
     from ucl.errors import CorruptShardIndexError
     from ucl.io import native as _native
 
-    monkeypatch.setattr(ucl.format.shardfile, "INNER_TARGET_BYTES", 64 << 10)
     t = torch.randn(1024, 256)  # 16 inner chunks of 64 rows: whole rows (bulk plan) or a column box
-    ucl.save({"t": t}, tmp_path, step=0)
+    ucl.save({"t": t}, tmp_path, step=0, options=WriteOptions(inner_chunk_bytes=64 << 10))
     shard = tmp_path / "steps" / "0" / "t" / "c" / "0" / "0"
     data = bytearray(shard.read_bytes())
     n = 16 * 16 + 4

@@ -1,10 +1,10 @@
-"""Fixtures for storage tests: the loopback S3 server (tests/storage/moto_server.py)."""
+"""Fixtures for storage tests: the loopback S3 server (tests/io/stores/moto_server.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.storage import moto_server
+from tests.io.stores import moto_server
 
 
 @pytest.fixture

@@ -27,6 +27,7 @@ from ucl.errors import CheckpointNotFoundError, ChecksumError, InvalidArgumentEr
 from ucl.format import names, structure
 from ucl.format.metadata import StepMeta
 from ucl.format.repository import Repository
+from ucl.format.shardfile import INNER_CHUNK_BYTES
 from ucl.plan.save import all_shards, array_for, shard_block
 from ucl.write.step import StepWriter
 
@@ -45,12 +46,16 @@ def nest(flat: dict[str, torch.Tensor]) -> dict[str, object]:
     return out
 
 
+INNER_BYTES = {"bytes": INNER_CHUNK_BYTES}  # what write_step chunks by (small_chunks lowers it)
+
+
 def write_step(
     path, step: int, flat: dict[str, torch.Tensor], chunks: dict[str, tuple[int, ...]] | None = None
 ) -> None:
     """Commit ``flat`` ({"a/b": tensor}) as a full step, each tensor in shards of ``chunks[name]``."""
     tensors, tree = structure.flatten(nest(flat))
-    arrays = {n: array_for(n, t, chunk_shape=(chunks or {}).get(n)) for n, t in tensors.items()}
+    arrays = {n: array_for(n, t, chunk_shape=(chunks or {}).get(n), inner_bytes=INNER_BYTES["bytes"])
+              for n, t in tensors.items()}
     w = StepWriter(Repository.open(path, create=True), step)
     w.begin()
     files = {}
@@ -100,9 +105,7 @@ def every_dtype() -> dict[str, torch.Tensor]:
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Small inner chunks (ucl) and no growth of small chunks (the view), so tiny tensors have many."""
-    import ucl.format.shardfile
-
-    monkeypatch.setattr(ucl.format.shardfile, "INNER_TARGET_BYTES", 256)
+    monkeypatch.setitem(INNER_BYTES, "bytes", 256)
     monkeypatch.setattr(ucl.adapters.zarr_store, "MIN_CHUNK_BYTES", 1)
 
 
@@ -439,9 +442,7 @@ def test_edge_chunks_are_full_size_and_zero_padded(tmp_path, small_chunks) -> No
 
 
 def test_partial_reads_fetch_only_needed_chunks(tmp_path, monkeypatch) -> None:
-    import ucl.format.shardfile
-
-    monkeypatch.setattr(ucl.format.shardfile, "INNER_TARGET_BYTES", 64 << 10)
+    monkeypatch.setitem(INNER_BYTES, "bytes", 64 << 10)
     monkeypatch.setattr(ucl.adapters.zarr_store, "MIN_CHUNK_BYTES", 64 << 10)
     t = torch.randn(1024, 256)  # 1 MiB: 16 inner chunks of 64 rows
     write_step(tmp_path, 0, {"t": t, "other": torch.randn(256, 256)})

@@ -255,7 +255,7 @@ def sharded_save_then_reshard(rank: int, world: int, path: str) -> dict[str, Any
 
 @pytest.mark.dist
 def test_two_process_dtensor_save_loads_with_other_sharding(tmp_path) -> None:
-    results = dist.run(2, "tests.test_dcp:sharded_save_then_reshard", {"path": str(tmp_path)})
+    results = dist.run(2, "tests.adapters.test_dcp:sharded_save_then_reshard", {"path": str(tmp_path)})
     for r in results:
         assert all(r["same"].values()), r
         assert r["step"] == 17 and r["lr"] == 0.5

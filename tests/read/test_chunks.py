@@ -33,7 +33,6 @@ def _write(path: Path, tensors: dict[str, torch.Tensor], chunk: dict[str, tuple[
 
 
 def _step_meta(tensors: dict[str, torch.Tensor], arrays: dict) -> StepMeta:
-    from ucl.format import names
 
     _, tree = structure.flatten(dict(tensors))
     return StepMeta(step=0, kind="full", tree=tree, arrays=arrays)
@@ -77,9 +76,9 @@ def test_random_boxes(tmp_path: Path, compression: dict | None) -> None:
 @pytest.mark.parametrize("direct", [False, True])
 def test_swapped_shards_fail_whole_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: int,
                                          direct: bool) -> None:
+    import ucl.io.ranges
     from ucl.errors import ChecksumError
     from ucl.format.repository import step_prefix
-    import ucl.io.ranges
     from ucl.options import ReadOptions
 
     opts = ReadOptions(direct_min_bytes=0 if direct else 256 << 10)

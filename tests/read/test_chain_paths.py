@@ -22,10 +22,10 @@ import ucl.format.shardfile
 from ucl import _delta
 from ucl.delta import bit_view, decode_chunk, encode_chunk
 from ucl.errors import DeltaChainError, UCLError
-from ucl.options import ChainOptions, ReadOptions
+from ucl.options import ChainOptions, ReadOptions, WriteOptions
+from ucl.read.chain import ChainReader
 from ucl.read.chunks import Request
 from ucl.read.files import StepFiles
-from ucl.read.chain import ChainReader
 from ucl.write.manager import CheckpointManager
 from ucl.write.policy import DeltaPolicy
 
@@ -76,17 +76,13 @@ def _write(root: Path, base: str, steps: int, inner: int = 1024) -> dict[int, di
     g = torch.Generator().manual_seed(11)
     state = _state(g)
     saved = {}
-    old = ucl.format.shardfile.INNER_TARGET_BYTES
-    ucl.format.shardfile.INNER_TARGET_BYTES = inner  # many inner chunks per shard
-    try:
-        with CheckpointManager(root, delta=DeltaPolicy(base=base)) as mgr:
-            for k in range(steps):
-                saved[k] = {n: t.clone() for n, t in state.items()}
-                mgr.save(k, state)
-                _step(state, k, g)
-            mgr.wait()
-    finally:
-        ucl.format.shardfile.INNER_TARGET_BYTES = old
+    # many inner chunks per shard
+    with CheckpointManager(root, delta=DeltaPolicy(base=base), options=WriteOptions(inner_chunk_bytes=inner)) as mgr:
+        for k in range(steps):
+            saved[k] = {n: t.clone() for n, t in state.items()}
+            mgr.save(k, state)
+            _step(state, k, g)
+        mgr.wait()
     return saved
 
 

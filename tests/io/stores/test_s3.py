@@ -18,7 +18,7 @@ import zarr
 
 import ucl
 import ucl.io.stores.remote as remote
-from tests.storage import moto_server
+from tests.io.stores import moto_server
 from ucl.errors import CheckpointNotFoundError, MissingShardError, WriteError
 from ucl.format.repository import Repository
 from ucl.io import native as _native
@@ -44,11 +44,11 @@ def bits(t: torch.Tensor) -> bytes:
 
 # -- the round trip, configured by environment ---------------------------------------------------------
 def test_round_trip_engine_lazy_read_validate_zarr_view(bucket, monkeypatch) -> None:
-    import ucl.format.shardfile
+    from ucl.options import WriteOptions
 
-    monkeypatch.setattr(ucl.format.shardfile, "INNER_TARGET_BYTES", 8 << 10)  # model/w: 8 inner chunks of 32 rows
     url = f"s3://{bucket}/run"
-    with CheckpointManager(url, keep_last=2) as mgr:
+    # model/w: 8 inner chunks of 32 rows
+    with CheckpointManager(url, keep_last=2, options=WriteOptions(inner_chunk_bytes=8 << 10)) as mgr:
         for step in (10, 20, 30):
             mgr.save(step, state_at(step))
     assert Repository.open(url).steps() == [20, 30]  # retention deleted step 10, on S3

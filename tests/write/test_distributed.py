@@ -15,7 +15,7 @@ pytestmark = pytest.mark.dist
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_replicated_state_is_written_once_balanced(tmp_path, world) -> None:
-    results = dist.run(world, "tests.engine.dist_cases:save_replicated", {"path": str(tmp_path), "steps": 2})
+    results = dist.run(world, "tests.write.dist_cases:save_replicated", {"path": str(tmp_path), "steps": 2})
     owners = [set(r["writes"]) for r in results]
     every = set().union(*owners)
     assert sum(len(o) for o in owners) == len(every) == 6  # each tensor written by exactly one rank
@@ -32,7 +32,7 @@ def test_replicated_state_is_written_once_balanced(tmp_path, world) -> None:
 
 
 def test_a_failing_rank_fails_every_handle_and_commits_nothing(tmp_path) -> None:
-    results = dist.run(2, "tests.engine.dist_cases:save_with_failing_rank", {"path": str(tmp_path), "bad_rank": 1})
+    results = dist.run(2, "tests.write.dist_cases:save_with_failing_rank", {"path": str(tmp_path), "bad_rank": 1})
     for r in results:
         assert r["outcome"] != "committed"
         assert "No space left on device" in r["outcome"]
@@ -46,7 +46,7 @@ def test_data_parallel_gradient_records(tmp_path) -> None:
     rank writes part of replay bit-exactly to the state every rank held."""
     import hashlib
 
-    results = dist.run(2, "tests.engine.dist_cases:save_gradient_records", {"path": str(tmp_path), "steps": 6})
+    results = dist.run(2, "tests.write.dist_cases:save_gradient_records", {"path": str(tmp_path), "steps": 6})
     assert results[0]["digests"] == results[1]["digests"]  # data parallel: one state
     kinds = []
     for step, want in results[0]["digests"].items():
