@@ -98,14 +98,17 @@ class RangeReader:
         self.direct_min_bytes = direct_min_bytes
         self.pool = pool if pool is not None else shared_pool()
 
-    def read(self, path: str, offset: int, length: int, *, direct_only: bool = False) -> Lease | None:
+    def read(self, path: str, offset: int, length: int, *, direct_only: bool = False,
+             buffer_bytes: int = 0) -> Lease | None:
         """Bytes [offset, offset + length) of ``path`` in a pooled buffer. With ``direct_only``: None when
         the range would be read buffered (the caller then reads it straight into its destinations).
+        ``buffer_bytes``: an O_DIRECT read takes a buffer of at least this size, so that reads of varying
+        lengths reuse the same few buffers instead of keeping one of each size class resident.
 
         Raises FileNotFoundError / NotADirectoryError for a missing file, OSError for I/O errors.
         """
         if self.direct and length >= self.direct_min_bytes:
-            lease = self._read_direct(path, offset, length)
+            lease = self._read_direct(path, offset, length, buffer_bytes)
             if lease is not None or direct_only:
                 return lease
         elif direct_only:
@@ -131,7 +134,7 @@ class RangeReader:
         finally:
             os.close(fd)
 
-    def _read_direct(self, path: str, offset: int, length: int) -> Lease | None:
+    def _read_direct(self, path: str, offset: int, length: int, buffer_bytes: int = 0) -> Lease | None:
         """The range with O_DIRECT, or None: mostly cached (a buffered read is faster then), or no
         O_DIRECT on this filesystem (remembered)."""
         try:
@@ -146,7 +149,7 @@ class RangeReader:
                 return None
             base = offset - offset % ALIGN
             span = -(-(offset + length - base) // ALIGN) * ALIGN
-            buf = self.pool.get(span + ALIGN)
+            buf = self.pool.get(max(span + ALIGN, buffer_bytes))
             skip = -buf.ctypes.data % ALIGN
             mv = memoryview(buf)[skip : skip + span]  # type: ignore[arg-type]
             try:

@@ -19,7 +19,7 @@ from ucl.errors import ChecksumError, CorruptShardIndexError, MissingShardError,
 from ucl.format.metadata import ArrayMeta, CommitRecord
 from ucl.format.repository import step_prefix
 from ucl.format.shardfile import index_nbytes, parse_index
-from ucl.io.ranges import Lease, RangeReader
+from ucl.io.ranges import ALIGN, Lease, RangeReader
 from ucl.io.stores.base import Store
 from ucl.options import DEFAULT_READ, ReadOptions
 
@@ -33,6 +33,7 @@ class StepFiles:
     record: CommitRecord
     ranges: RangeReader = field(default_factory=RangeReader)
     small_shard_bytes: int = 128 << 10  # a small shard a read needs whole is read in one request
+    segment_buffer_bytes: int = 0  # the buffer of an O_DIRECT segment of a plain read (read_direct)
     indexes: dict[tuple[str, tuple[int, ...]], np.ndarray] = field(default_factory=dict)
     bytes_read: int = 0
     small: dict[str, memoryview] = field(default_factory=dict)  # whole small shards read with their index
@@ -86,7 +87,7 @@ class StepFiles:
         path = self.local_path(key)
         if path is None:
             return None
-        lease = self.ranges.read(path, offset, length, direct_only=True)
+        lease = self.ranges.read(path, offset, length, direct_only=True, buffer_bytes=self.segment_buffer_bytes)
         if lease is not None:
             self.count(lease.view.nbytes)
         return lease
@@ -164,8 +165,10 @@ class StepFiles:
 
 def step_files(store: Store, step: int, record: CommitRecord, options: ReadOptions = DEFAULT_READ) -> StepFiles:
     """The files of a committed step, read as ``options`` say."""
-    return StepFiles(store, step, record, RangeReader(direct=options.direct, direct_min_bytes=options.direct_min_bytes),
-                     small_shard_bytes=options.small_shard_bytes)
+    ranges = RangeReader(direct=options.direct, direct_min_bytes=options.direct_min_bytes)
+    # a segment's aligned span and the buffer's own alignment: one buffer size for every segment
+    return StepFiles(store, step, record, ranges, small_shard_bytes=options.small_shard_bytes,
+                     segment_buffer_bytes=options.segment_bytes + 3 * ALIGN)
 
 
 # -- the errors of reading shards, one wording for every reader --------------------------------------
