@@ -56,7 +56,7 @@ LABELS = {
     "full-base": "base='full', 1 delta {n} steps from its base",
 }
 #: (repository, how): "load" is Checkpoint.load(); "many" reads every delta tensor of the step in one
-#: ChainReader.read_many call (what load() does once ucl/reader.py hands its delta requests over at once)
+#: ChainReader.read_many call (what load() does once ucl/read/checkpoint.py hands its delta requests over at once)
 #: load() itself hands every delta tensor to read_many now; the "many" rows (read_many without load()'s
 #: allocation and tree) are kept for profiling: --child repository:many
 READS = [("full", "load"), ("previous", "load"), ("full-base", "load")]

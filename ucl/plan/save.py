@@ -38,7 +38,7 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 # another split (2x, 4x, 8x finer or coarser, rows <-> columns) reads whole inner chunks only: bytes read
 # ~ bytes needed (bench/reshard.py). Splitting the first dimension keeps inner chunks contiguous in the
 # writer's block; splitting a trailing one costs the writer a copy of each inner chunk when it encodes
-# the shard (~3-4 GB/s for chunks <= 1 MiB here); an O_DIRECT reader copies out of its bounce buffer anyway.
+# the shard (~3-4 GB/s for chunks <= 1 MiB here); an O_DIRECT reader copies out of its pooled buffer anyway.
 SPLIT = 8
 MIN_INNER_BYTES = 32 << 10
 MIN_RUN_BYTES = 256

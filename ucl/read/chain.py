@@ -5,33 +5,35 @@ the newest one that defines the chunk, read only those inner chunks (crc32c veri
 every reader of the process shares (their tasks never wait for each other; the calling thread schedules
 them); :meth:`ChainReader.read` is the same for one box:
 
-1. plan: each request's inner chunks, shard by shard, in groups of at most GROUP_BYTES (times the
+1. plan: each request's inner chunks, shard by shard, in groups of at most ``group_bytes`` (times the
    links read: a deep chain reads more per chunk). A chunk that
    lies whole in its box and whose part of the destination is one contiguous run is rebuilt straight
    into the destination; others go through a scratch buffer and are placed after.
-2. fetch, on IO_THREADS threads, per group and link: the chunks the group needs from the link's shard,
+2. fetch, on ``io_threads`` threads, per group and link: the chunks the group needs from the link's shard,
    in as few reads as possible (a shard needed whole, small enough and whose index is not cached yet:
    one read of the whole file; else the index, cached per step, then each run of adjacent chunks in one
-   read); large ranges not in the page cache with O_DIRECT (as ucl.read.boxes). Into buffers the process
-   reuses (fresh pages cost more to fault in than the copy). Each chunk's crc32c is verified there.
+   read), through the step's :class:`~ucl.io.ranges.RangeReader` (large ranges not in the page cache with
+   O_DIRECT), into buffers of the process's pool (fresh pages cost more to fault in than the copy). Each chunk's crc32c is verified there.
    What reading a chunk gives (its payload, absent, or the error reading it raised) is kept, not raised.
-   Groups reading little (SMALL_BYTES) are fetched and rebuilt a batch to a task: their reads are
+   Groups reading little (``small_bytes``) are fetched and rebuilt a batch to a task: their reads are
    latency, and a task each would cost more than they do.
-3. rebuild, on DECODE_THREADS threads, each chunk once every link it may need is fetched:
+3. rebuild, on ``decode_threads`` threads, each chunk once every link it may need is fetched:
    :func:`reconstruct_inner` walks the links newest first over those outcomes exactly as it would over
-   the reads themselves (same stops, same errors, same messages). Chunks of at least PARALLEL_MIN_BYTES
+   the reads themselves (same stops, same errors, same messages). Chunks of at least ``parallel_min_bytes``
    are then decoded as tasks (each payload, or each share of a payload's frames, unpacked on its own;
    all applied oldest first in one pass over the destination, split in word ranges) that the rebuilding
    thread shares with idle decode threads; smaller ones payload after payload. The C code releases the
-   GIL. Meanwhile a side thread maps the destinations' fresh pages (boxread._Prefaulter).
+   GIL. Meanwhile a side thread maps the destinations' fresh pages (ucl.io.prefault).
 
-At most INFLIGHT_BYTES of fetched data wait for their decode: groups start in order as earlier ones
+At most ``inflight_bytes`` of fetched data wait for their decode: groups start in order as earlier ones
 finish, so reading overlaps decoding. Links are fetched concurrently, not newest first: a chunk whose
 newer link holds full values (mode 0) has its older links read for nothing (spec §6.3.2 allows a reader
 to stop there; it does not require it); their bytes count in ``bytes_read``, their errors are never
 raised (the walk does not reach them). A failing read raises the error a sequential read (request by
 request, shard by shard, chunk by chunk in C order: :meth:`ChainReader.read_sequential`) meets first;
 work after it is not started.
+
+The thresholds are :class:`ucl.options.ChainOptions` (``ReadOptions.chain``).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ class ChunkRead:
         self.offset = offset
         self.nbytes = nbytes  # encoded size including the 4-byte crc
         self.direct = direct  # destination bytes when read in place
-        self.scratch = scratch  # allocated when first needed (an O_DIRECT read places from its bounce buffer)
+        self.scratch = scratch  # allocated when first needed (an O_DIRECT read places from its pooled buffer)
         self.crc = bytearray(4)
         self.place = place  # copies decoded scratch bytes into the destination
 
