@@ -11,9 +11,9 @@ frozen items both speak in (:mod:`ucl.plan.items`), and box copies into destinat
 [('model/w.weight', (0, 0))]
 """
 
-from ucl.plan.items import ArraySpec, LoadPlan, ReadItem, SavePlan, ShardWrite
+from ucl.plan.items import ArraySpec, LoadPlan, RankPlan, ReadItem, ShardWrite
 from ucl.plan.layout_load import LogicalIndex, logical_read, logical_tensors, plan_load
 from ucl.plan.layout_save import infer_shapes, merge_plans, plan_save, stored_chunks
 
-__all__ = ["ArraySpec", "LoadPlan", "LogicalIndex", "ReadItem", "SavePlan", "ShardWrite", "infer_shapes",
+__all__ = ["ArraySpec", "LoadPlan", "LogicalIndex", "RankPlan", "ReadItem", "ShardWrite", "infer_shapes",
            "logical_read", "logical_tensors", "merge_plans", "plan_load", "plan_save", "stored_chunks"]

@@ -84,7 +84,7 @@ class ShardWrite:
 
 
 @dataclass(frozen=True)
-class SavePlan:
+class RankPlan:
     """What one rank writes, and the arrays its tensors belong to.
 
     ``arrays`` holds every array a tensor of this rank belongs to; without pipeline stages or placed
@@ -120,7 +120,7 @@ class SavePlan:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> SavePlan:
+    def from_dict(cls, d: Mapping[str, Any]) -> RankPlan:
         """Inverse of :meth:`to_dict` (the coordinator rebuilds gathered plans for :func:`merge_plans`)."""
         arrays = {a["name"]: ArraySpec.from_dict(a) for a in d["arrays"]}
         writes = []

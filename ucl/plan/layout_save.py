@@ -31,7 +31,7 @@ from ucl.layout.mesh import Mesh
 from ucl.layout.model import Layout, placement_allows
 from ucl.layout.resolve import Resolver, check_matched, span, where
 from ucl.layout.transforms import Tile, infer_shape, make_tile
-from ucl.plan.items import ArraySpec, LocalShapes, SavePlan, ShardWrite, dtype_name
+from ucl.plan.items import ArraySpec, LocalShapes, RankPlan, ShardWrite, dtype_name
 
 
 # -- save --------------------------------------------------------------------------------------------
@@ -54,7 +54,7 @@ def plan_save(
     local: LocalShapes,
     *,
     shapes: Mapping[str, Sequence[int]] | None = None,
-) -> SavePlan:
+) -> RankPlan:
     """The chunks ``rank`` writes of its local state, and the arrays they belong to.
 
     Parameters
@@ -173,7 +173,7 @@ def plan_save(
         "renumbers": sorted(res.matched_renumbers),
         "flats": sorted(res.matched_flats),
     }
-    return SavePlan(
+    return RankPlan(
         _choose_writers(candidates),
         dict(sorted(arrays.items())),
         layout.to_dict(),
@@ -253,7 +253,7 @@ def infer_shapes(
     return out
 
 
-def merge_plans(plans: Sequence[SavePlan]) -> dict[str, ArraySpec]:
+def merge_plans(plans: Sequence[RankPlan]) -> dict[str, ArraySpec]:
     """Every array of the step from the plans of all ranks (run by the coordinator after an allgather).
 
     Checks that the plans come from one layout and mesh, one per rank; that ranks agree on each array;

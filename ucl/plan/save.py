@@ -196,7 +196,7 @@ def from_layout(
     rank_plan: Any, arrays: Mapping[str, Any] | None = None, compression: dict[str, Any] | None = None,
     inner_bytes: int = INNER_CHUNK_BYTES,
 ) -> SavePlan:
-    """The engine's plan from a rank's ``ucl.layout.SavePlan``.
+    """The engine's plan from a rank's ``ucl.plan.RankPlan``.
 
     ``arrays``: the merged arrays of every rank (``ucl.layout.merge_plans``; the coordinator records
     them); None keeps the rank's own arrays (enough to write its chunks).

@@ -17,7 +17,7 @@ from ucl.layout.boxes import Box, View
 from ucl.layout.mesh import Mesh
 from ucl.layout.model import Layout
 from ucl.layout.resolve import expected_local
-from ucl.plan.items import ArraySpec, LoadPlan, SavePlan, dtype_name
+from ucl.plan.items import ArraySpec, LoadPlan, RankPlan, dtype_name
 from ucl.plan.layout_load import LogicalIndex
 from ucl.plan.layout_save import infer_shapes, merge_plans, plan_save
 
@@ -97,7 +97,7 @@ def empty_store(arrays: Mapping[str, ArraySpec]) -> dict[str, np.ndarray]:
     return {n: np.zeros(a.shape, dtype=_dtypes.to_numpy(a.dtype)) for n, a in arrays.items()}
 
 
-def apply_writes(store: Mapping[str, np.ndarray], plan: SavePlan, local: Mapping[str, Any]) -> int:
+def apply_writes(store: Mapping[str, np.ndarray], plan: RankPlan, local: Mapping[str, Any]) -> int:
     """Write this rank's chunks into ``store``; returns the number of elements written."""
     written = 0
     for w in plan.writes:

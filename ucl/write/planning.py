@@ -13,7 +13,7 @@ import torch
 
 from ucl.layout import Layout, Mesh, as_mesh, layout_from_dtensors, mesh_rank
 from ucl.plan import save as saveplan
-from ucl.plan.items import SavePlan as RankPlan
+from ucl.plan.items import RankPlan
 from ucl.plan.layout_save import merge_plans
 from ucl.write.collectives import Collectives, error_dict, error_from
 
