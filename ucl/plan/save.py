@@ -5,7 +5,7 @@ Three sources of a plan, one shape of result (:class:`SavePlan`):
 - one process: every tensor whole, one shard each;
 - data-parallel replicas (every rank holds the same tensors): each tensor written by exactly one rank,
   assigned greedily by size so that the bytes are balanced across ranks;
-- a layout (spec/layout.md): ``ucl.layout.plan_save`` says which blocks this rank holds
+- a layout (spec/layout.md): ``ucl.plan.plan_save`` says which blocks this rank holds
   (:func:`plan_rank`, then :func:`from_layout` once the coordinator has merged the plans of all ranks).
 """
 
@@ -109,7 +109,7 @@ def plan_rank(
     local: Mapping[str, tuple[tuple[int, ...], str]],
     all_local: Sequence[Mapping[str, tuple[tuple[int, ...], str]]] | None = None,
 ) -> Any:
-    """``ucl.layout.plan_save`` for one rank, the logical shapes of uneven splits inferred from the local
+    """``ucl.plan.plan_save`` for one rank, the logical shapes of uneven splits inferred from the local
     shapes of every rank (``all_local``, by rank) when given. Raises the layout's errors (nothing written)."""
 
     shapes = infer_shapes(layout, mesh, list(all_local)) if all_local is not None else None
@@ -172,7 +172,7 @@ def meta_for_spec(
     spec: Any, compression: dict[str, Any] | None = None, split: Sequence[int] = (),
     inner_bytes: int = INNER_CHUNK_BYTES,
 ) -> ArrayMeta:
-    """The stored-array metadata of a layout array (``ucl.layout.ArraySpec``)."""
+    """The stored-array metadata of a layout array (``ucl.plan.ArraySpec``)."""
     return ArrayMeta(
         name=names.check_name(spec.name),
         shape=tuple(spec.shape),
@@ -185,7 +185,7 @@ def meta_for_spec(
 
 
 def spec_for_meta(meta: ArrayMeta) -> Any:
-    """The ``ucl.layout.ArraySpec`` of a stored array (its logical record; ``{}`` for a plain array)."""
+    """The ``ucl.plan.ArraySpec`` of a stored array (its logical record; ``{}`` for a plain array)."""
 
     return ArraySpec(
         meta.name, tuple(meta.shape), meta.dtype, tuple(meta.chunk_shape), dict(meta.logical or {})
@@ -198,7 +198,7 @@ def from_layout(
 ) -> SavePlan:
     """The engine's plan from a rank's ``ucl.plan.RankPlan``.
 
-    ``arrays``: the merged arrays of every rank (``ucl.layout.merge_plans``; the coordinator records
+    ``arrays``: the merged arrays of every rank (``ucl.plan.merge_plans``; the coordinator records
     them); None keeps the rank's own arrays (enough to write its chunks).
     """
 

@@ -216,7 +216,7 @@ class Checkpoint:
         return Mesh.from_dict(self.meta.mesh)
 
     def logical_index(self) -> Any:
-        """The step's :class:`ucl.layout.LogicalIndex` (built once)."""
+        """The step's :class:`ucl.plan.LogicalIndex` (built once)."""
         if self._index is None:
 
             with self._lock:

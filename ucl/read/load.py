@@ -278,7 +278,7 @@ def load_plan(
     tensors: Iterable[str] | None = None,
     step: int | None = None,
 ) -> Any:
-    """The :class:`ucl.layout.LoadPlan` of a target rank (pure planning, cached per step and target):
+    """The :class:`ucl.plan.LoadPlan` of a target rank (pure planning, cached per step and target):
     ``local`` (what the rank holds: name -> (shape, dtype)), ``zero`` and ``items`` (the stored boxes it
     reads, each with its destination box)."""
     if not isinstance(ckpt, Checkpoint):
