@@ -380,7 +380,7 @@ def engine_step_sizes(args: argparse.Namespace, policy: Any, frozen_layers: int 
             with ucl.open(d, step) as ck:
                 recorded += ck.records is not None
                 got = ck.load(flat=True)
-            from ucl.format import names
+            from ucl.format import structure
 
             ref, _ = structure.flatten(want[step])
             assert all(torch.equal(got[k].view(-1).view(torch.uint8), ref[k].reshape(-1).view(torch.uint8))

@@ -154,10 +154,10 @@ def load_many(path: str, step: int) -> tuple[dict[str, Any], int]:
 
     import ucl
     from ucl.format import dtypes
-    from ucl.read.chunks import Request
-    from ucl.read.files import StepFiles
     from ucl.read.boxes import read as read_boxes
     from ucl.read.chain import ChainReader
+    from ucl.read.chunks import Request
+    from ucl.read.files import StepFiles
 
     repo = ucl.Repository.open(path)
     steps: dict[int, Any] = {}

@@ -16,7 +16,7 @@ import torch
 import ucl
 from ucl.delta.gradients import ReplayWarning
 from ucl.errors import InvalidArgumentError, UnknownExtensionError
-from ucl.format import names, structure
+from ucl.format import structure
 from ucl.tools.compact import compact
 from ucl.write.manager import CheckpointManager
 from ucl.write.policy import DeltaPolicy

@@ -22,7 +22,7 @@ import ucl.format.shardfile
 from ucl import _delta
 from ucl.delta import bit_view, decode_chunk, encode_chunk
 from ucl.errors import DeltaChainError, UCLError
-from ucl.options import ChainOptions, ReadOptions, WriteOptions
+from ucl.options import DEFAULT_READ, ChainOptions, ReadOptions, WriteOptions
 from ucl.read.chain import ChainReader
 from ucl.read.chunks import Request
 from ucl.read.files import StepFiles
@@ -95,7 +95,7 @@ def chains(tmp_path_factory) -> dict[str, tuple[Path, dict[int, dict[str, torch.
     return out
 
 
-def _reader(path: str | Path, step: int, options: ReadOptions = ReadOptions()) -> ChainReader:
+def _reader(path: str | Path, step: int, options: ReadOptions = DEFAULT_READ) -> ChainReader:
     repo = ucl.Repository.open(path)
     cache: dict[int, tuple[object, StepFiles]] = {}
 
@@ -227,7 +227,7 @@ def _raised(fn) -> BaseException:  # type: ignore[no-untyped-def]
     raise AssertionError("no error")
 
 
-def _same_error(root: Path, step: int, names: list[str], options: ReadOptions = ReadOptions()) -> BaseException:
+def _same_error(root: Path, step: int, names: list[str], options: ReadOptions = DEFAULT_READ) -> BaseException:
     """Read ``names`` of ``step`` three ways: each must raise, with the same error type, code and message."""
     r = _reader(root, step, options)
     seq = _raised(lambda: [r.read_sequential(_request(r, n)) for n in names])

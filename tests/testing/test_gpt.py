@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import ucl
-from ucl.format import structure
 from ucl.testing.gpt import (
     GPT,
     PRESETS,

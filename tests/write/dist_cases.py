@@ -55,7 +55,6 @@ def save_gradient_records(rank: int, world: int, path: str, steps: int) -> dict[
 
     import torch.distributed as dist
 
-    from ucl.format import names
     from ucl.write.policy import DeltaPolicy
 
     torch.manual_seed(0)

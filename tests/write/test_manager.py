@@ -9,7 +9,6 @@ import torch
 
 import ucl
 from ucl.errors import InvalidArgumentError, StepExistsError, WriteError, WriterLockedError
-from ucl.format import structure
 from ucl.io import native as _native
 from ucl.write.manager import CheckpointManager
 

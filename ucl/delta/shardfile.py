@@ -14,7 +14,7 @@ import torch
 
 from ucl.delta.codec import encode_chunk, word_dtype
 from ucl.format.metadata import ArrayMeta
-from ucl.format.shardfile import EMPTY, contiguous_span, as_bytes, inner_chunks, is_full
+from ucl.format.shardfile import EMPTY, as_bytes, contiguous_span, inner_chunks, is_full
 from ucl.io import native as _native
 
 _CRC = struct.Struct("<I")
