@@ -7,7 +7,7 @@ The *before* tree is a git worktree of REV (under bench-out/trees/, with this ch
 extensions copied in: a change to engine/ is not what this compares); the *after* tree is this checkout.
 Rounds alternate before, after, before, after, ...; each runs ``bench/BENCH.py ARGS`` of its own tree
 with that tree first on ``PYTHONPATH`` (its children inherit it), so the machine's noise falls on both
-alike. Printed: every markdown table row that names ucl, from every run, grouped by row, before
+alike. Printed: every markdown table row that names ucl (or matches ``--rows``), from every run, grouped by row, before
 beside after, then the full output of the last round of each tree.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -47,15 +48,18 @@ def run(tree: str, bench: str, args: list[str]) -> tuple[str, float]:
     return proc.stdout, time.perf_counter() - t0
 
 
-def ucl_rows(out: str) -> list[str]:
+def rows_of(out: str, pattern: str) -> list[str]:
+    """The markdown table rows of ``out`` whose text matches ``pattern`` (separator rows left out)."""
+    rx = re.compile(pattern, re.I)
     return [line.strip() for line in out.splitlines()
-            if line.startswith("|") and "ucl" in line.lower() and not set(line) <= set("|-: ")]
+            if line.startswith("|") and rx.search(line) and not set(line.strip()) <= set("|-: ")]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--before", required=True, help="git revision of the before tree")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rows", default="ucl", help="regex: the table rows to put side by side (default: rows naming ucl)")
     ap.add_argument("bench")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args()
@@ -66,11 +70,12 @@ def main() -> int:
             out, secs = run(trees[side], a.bench, a.args)
             outs[side].append(out)
             print(f"round {r + 1} {side}: {secs:.0f} s", flush=True)
-    print(f"\n## {a.bench} {' '.join(a.args)}: ucl rows, before ({a.before}) and after, {a.rounds} rounds each\n")
+    print(f"\n## {a.bench} {' '.join(a.args)}: rows matching {a.rows!r}, before ({a.before}) and after, "
+          f"{a.rounds} rounds each\n")
     rows: dict[str, dict[str, list[str]]] = {}
     for side, runs in outs.items():
         for out in runs:
-            for line in ucl_rows(out):
+            for line in rows_of(out, a.rows):
                 key = line.split("|")[1].strip()
                 rows.setdefault(key, {"before": [], "after": []})[side].append(line)
     for key, sides in rows.items():
