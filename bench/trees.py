@@ -7,8 +7,8 @@ The *before* tree is a git worktree of REV (under bench-out/trees/, with this ch
 extensions copied in: a change to engine/ is not what this compares); the *after* tree is this checkout.
 Rounds alternate before, after, before, after, ...; each runs ``bench/BENCH.py ARGS`` of its own tree
 with that tree first on ``PYTHONPATH`` (its children inherit it), so the machine's noise falls on both
-alike. Printed: every markdown table row that names ucl (or matches ``--rows``), from every run, grouped by row, before
-beside after, then the full output of the last round of each tree.
+alike. Printed: every markdown table row that names ucl (or matches ``--rows``), from every run,
+grouped by row, before beside after, then the full output of the last round of each tree.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ def worktree(rev: str) -> str:
 def run(tree: str, bench: str, args: list[str]) -> tuple[str, float]:
     env = {**os.environ, "PYTHONPATH": tree + os.pathsep + os.environ.get("PYTHONPATH", "")}
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, os.path.join(tree, "bench", f"{bench}.py"), *args], cwd=tree, env=env,
-                          capture_output=True, text=True)
+    script = os.path.join(tree, "bench", f"{bench}.py")
+    proc = subprocess.run([sys.executable, script, *args], cwd=tree, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{bench} failed in {tree}:\n{proc.stdout}\n{proc.stderr}")
     return proc.stdout, time.perf_counter() - t0
@@ -59,7 +59,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--before", required=True, help="git revision of the before tree")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--rows", default="ucl", help="regex: the table rows to put side by side (default: rows naming ucl)")
+    ap.add_argument("--rows", default="ucl", help="regex: the table rows to compare (default: rows naming ucl)")
     ap.add_argument("bench")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args()
