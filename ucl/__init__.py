@@ -20,6 +20,7 @@ from ucl.errors import UCLError
 from ucl.format.dtypes import register_zarr_dtypes as _register_zarr_dtypes
 from ucl.format.repository import Repository
 from ucl.io.stores import Store
+from ucl.options import DEFAULT_READ, ReadOptions
 from ucl.read.checkpoint import Checkpoint, open
 from ucl.read.load import load, load_into
 from ucl.read.tensors import LazyTensor, LogicalTensor
@@ -35,13 +36,14 @@ __version__ = "0.1.0"
 
 
 def validate(path: str | os.PathLike[str] | Store, step: int | None = None, *,
-             storage_options: dict[str, Any] | None = None, checksums: bool = True) -> Report:
+             storage_options: dict[str, Any] | None = None, checksums: bool = True,
+             options: ReadOptions = DEFAULT_READ) -> Report:
     """Validate a repository (every committed step, or one) against the spec.
 
     Returns a report whose ``ok`` is the verdict and whose ``problems`` carry stable error codes; see
     :func:`ucl.tools.validate.validate_repo`.
     """
-    return validate_repo(path, step, storage_options=storage_options, checksums=checksums)
+    return validate_repo(path, step, storage_options=storage_options, checksums=checksums, options=options)
 
 
 def zarr_store(path: str | os.PathLike[str] | Store, step: int | None = None, *,

@@ -31,6 +31,7 @@ from ucl.format.repository import Repository, step_prefix
 from ucl.format.shardfile import EMPTY, decode_chunk, index_nbytes, inner_chunks
 from ucl.io import native as _native
 from ucl.io.ranges import Lease
+from ucl.options import DEFAULT_READ, ReadOptions
 from ucl.plan.layout_save import stored_chunks
 from ucl.plan.save import spec_for_meta
 from ucl.read.files import StepFiles, step_files
@@ -72,7 +73,7 @@ class Report:
 
 
 def validate_repo(path: Any, step: int | None = None, *, storage_options: dict[str, Any] | None = None,
-                  checksums: bool = True) -> Report:
+                  checksums: bool = True, options: ReadOptions = DEFAULT_READ) -> Report:
     """Check a repository (every committed step, or only ``step``) against the spec.
 
     Parameters
@@ -84,6 +85,8 @@ def validate_repo(path: Any, step: int | None = None, *, storage_options: dict[s
     checksums
         Verify every file's and every inner chunk's crc32c (reads all data); False checks structure,
         presence and sizes only.
+    options
+        How shards are read (:class:`ucl.options.ReadOptions`: O_DIRECT, kept buffers).
 
     Returns
     -------
@@ -100,7 +103,7 @@ def validate_repo(path: Any, step: int | None = None, *, storage_options: dict[s
     steps = repo.steps() if step is None else [step]
     for s in steps:
         report.steps.append(s)
-        _validate_step(repo, s, report, checksums)
+        _validate_step(repo, s, report, checksums, options)
     return report
 
 
@@ -121,14 +124,14 @@ def _check_steps_group(repo: Repository, report: Report) -> None:
         report.add(SchemaError(f"{what} is not a Zarr v3 group document", file=what))
 
 
-def _validate_step(repo: Repository, step: int, report: Report, checksums: bool) -> None:
+def _validate_step(repo: Repository, step: int, report: Report, checksums: bool, options: ReadOptions) -> None:
     try:
         record = repo.commit_record(step)
         meta = repo.step_meta(step, record)
     except UCLError as e:
         report.add(e, step)
         return
-    files = step_files(repo.store, step, record)
+    files = step_files(repo.store, step, record, options)
     expected_files = {"zarr.json"}
     for name, arr in meta.arrays.items():
         expected_files.add(f"{arr.key}/zarr.json")
@@ -158,6 +161,7 @@ def _validate_step(repo: Repository, step: int, report: Report, checksums: bool)
                 if e.tensor is None:
                     e.tensor = name
                 report.add(e, step)
+    files.ranges.pool.trim(options.keep_buffer_bytes)  # one shard at a time is held; keep a few warm
     for p in sorted(_group_docs(meta) & set(record.files)):  # intermediate group documents: listed, so checked
         try:
             repo.read_verified(step, p, record)
