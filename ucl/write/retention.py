@@ -32,14 +32,20 @@ class Retention:
         if self.keep_every:
             keep |= {s for s in steps if s % self.keep_every == 0}
         keep |= needed_bases(self.repo, keep)
-        for s in steps:
-            if s not in keep and s < newest:
-                self.delete_step(s)
+        self.delete_steps([s for s in steps if s not in keep and s < newest])
+
+    def delete_steps(self, steps: list[int]) -> None:
+        """Remove steps so that at every instant every listed step is readable: the commit records first,
+        newest first (a delta child disappears before the base it reads), then the files. A kill between
+        two deletions leaves only whole, readable steps listed (and files gc removes)."""
+        for s in sorted(steps, reverse=True):
+            self.repo.store.delete(commit_key(s))
+        for s in sorted(steps):
+            self.repo.store.delete_prefix(step_prefix(s))
 
     def delete_step(self, step: int) -> None:
         """Remove a step: its commit record first (the step disappears atomically), then its files."""
-        self.repo.store.delete(commit_key(step))
-        self.repo.store.delete_prefix(step_prefix(step))
+        self.delete_steps([step])
 
 
 def needed_bases(repo: Repository, keep: set[int]) -> set[int]:
