@@ -34,7 +34,7 @@ from ucl.io.ranges import Lease
 from ucl.options import DEFAULT_READ, ReadOptions
 from ucl.plan.layout_save import stored_chunks
 from ucl.plan.save import spec_for_meta
-from ucl.read.files import StepFiles, step_files
+from ucl.read.files import StepFiles, step_files, truncated
 from ucl.tools.validate_chain import validate_chain
 
 _CRC = struct.Struct("<I")
@@ -156,7 +156,7 @@ def _validate_step(repo: Repository, step: int, report: Report, checksums: bool,
                                                  f"{step}", tensor=name, file=f"{step_prefix(step)}/{rel}"), step)
                 continue
             try:
-                _check_shard(repo, files, record, arr, coords, report, checksums)
+                _check_shard(repo, files, record, arr, coords, report, checksums, options)
             except UCLError as e:
                 if e.tensor is None:
                     e.tensor = name
@@ -204,7 +204,7 @@ def _check_array_doc(repo: Repository, step: int, record: CommitRecord, meta: St
 
 
 def _check_shard(repo: Repository, files: StepFiles, record: CommitRecord, arr: ArrayMeta, coords: tuple[int, ...],
-                 report: Report, checksums: bool) -> None:
+                 report: Report, checksums: bool, options: ReadOptions) -> None:
     step = files.step
     rel = arr.shard_key(coords)
     key = f"{step_prefix(step)}/{rel}"
@@ -222,9 +222,14 @@ def _check_shard(repo: Repository, files: StepFiles, record: CommitRecord, arr: 
     if not checksums:
         _check_presence(arr, coords, files.index(arr, coords), key)
         return
-    index, got = files.whole(arr, coords)  # the one range reader: O_DIRECT for large cold shards
+    # the one range reader (O_DIRECT when cold): a shard up to whole_max_bytes in one read, a larger one
+    # chunk by chunk after its index, so that validating holds at most one inner chunk of it
+    got: Lease | memoryview | None = None
+    if size <= options.chain.whole_max_bytes:
+        index, got = files.whole(arr, coords)
+    else:
+        index = files.index(arr, coords)
     data = got.view if isinstance(got, Lease) else got
-    assert data is not None  # a fresh StepFiles per step: the index is never cached before
     try:
         _check_presence(arr, coords, index, key)
         crcs = []
@@ -232,14 +237,22 @@ def _check_shard(repo: Repository, files: StepFiles, record: CommitRecord, arr: 
             if off == EMPTY:
                 continue
             off, nb = int(off), int(nb)
-            stored = bytes(data[off + nb - 4 : off + nb])
-            if _native.crc32c(data[off : off + nb - 4]) != _CRC.unpack(stored)[0]:
-                raise ChecksumError(f"shard {key}: an inner chunk at offset {off} of tensor {arr.name!r} fails its crc32c",
-                                    tensor=arr.name, file=key)
-            crcs.append(stored)
-            if arr.compression is not None:  # a chunk that does not decode is as unreadable as a bad crc
-                decode_chunk(arr, data[off : off + nb - 4], key, (ordinal,))
-        crcs.append(bytes(data[size - 4 : size]))
+            piece = files.read(key, off, nb) if data is None else data[off : off + nb]
+            view = piece.view if isinstance(piece, Lease) else piece
+            try:
+                if view.nbytes < nb:
+                    raise truncated(key, arr.name, view.nbytes, nb, off)
+                stored = bytes(view[nb - 4 : nb])
+                if _native.crc32c(view[: nb - 4]) != _CRC.unpack(stored)[0]:
+                    raise ChecksumError(f"shard {key}: an inner chunk at offset {off} of tensor {arr.name!r} fails "
+                                        "its crc32c", tensor=arr.name, file=key)
+                crcs.append(stored)
+                if arr.compression is not None:  # a chunk that does not decode is as unreadable as a bad crc
+                    decode_chunk(arr, view[: nb - 4], key, (ordinal,))
+            finally:
+                if isinstance(piece, Lease):
+                    piece.release()
+        crcs.append(_CRC.pack(_native.crc32c(index.tobytes())))  # the index's crc32c (parse_index checked it)
         if _native.crc32c(b"".join(crcs)) != crc:  # binds the chunks to this file (spec/core.md §7)
             raise ChecksumError(f"shard {key} of tensor {arr.name!r} does not hold the chunks its commit record "
                                 "names (its digest differs: a swapped or replaced shard)", tensor=arr.name, file=key)
