@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +111,37 @@ def _compressor(meta: ArrayMeta) -> Any:
     return Zstd(level=int(meta.compression.get("configuration", {}).get("level", 1)))
 
 
+def chunk_bytes(meta: ArrayMeta, c: InnerChunk, block: torch.Tensor, raw: memoryview,
+                origin: list[int]) -> memoryview:
+    """The raw bytes of inner chunk ``c`` of a shard's ``block`` (contiguous, its ``as_bytes`` is ``raw``):
+    a view when the chunk is whole and one contiguous run of the block, else a zero-padded copy."""
+    local = [slice(a - o, b - o) for a, b, o in zip(c.start, c.stop, origin, strict=True)]
+    span = contiguous_span(block.shape, local)
+    if is_full(meta, c) and span is not None:
+        return raw[span[0] * meta.itemsize : span[1] * meta.itemsize]
+    padded = torch.zeros(meta.inner_chunk_shape, dtype=block.dtype)
+    padded[tuple(slice(0, b - a) for a, b in zip(c.start, c.stop, strict=True))] = block[tuple(local)]
+    return as_bytes(padded)
+
+
+def assemble(meta: ArrayMeta, payloads: Iterable[tuple[int, Any]]) -> list[Any]:
+    """The buffers of a shard file from its stored chunks (ordinal, encoded bytes), in file order: each
+    chunk followed by its crc32c, then the index (absent chunks: EMPTY) and the index's crc32c."""
+    buffers: list[Any] = []
+    index = np.full((meta.n_inner, 2), EMPTY, dtype="<u8")
+    offset = 0
+    for ordinal, data in payloads:
+        n = memoryview(data).nbytes + 4
+        buffers.append(data)
+        buffers.append(_CRC.pack(_native.crc32c(data)))
+        index[ordinal] = (offset, n)
+        offset += n
+    idx = index.tobytes()
+    buffers.append(idx)
+    buffers.append(_CRC.pack(_native.crc32c(idx)))
+    return buffers
+
+
 def encode_shard(meta: ArrayMeta, shard: tuple[int, ...], block: torch.Tensor) -> list[Any]:
     """Buffers whose concatenation is the shard file for ``block`` (the shard's region clipped to the array).
 
@@ -120,33 +151,14 @@ def encode_shard(meta: ArrayMeta, shard: tuple[int, ...], block: torch.Tensor) -
     block = block.detach().contiguous()
     raw = as_bytes(block)
     comp = _compressor(meta)
-    buffers: list[Any] = []
-    index = np.full((meta.n_inner, 2), EMPTY, dtype="<u8")
-    offset = 0
-    itemsize = meta.itemsize
-    for c in inner_chunks(meta, shard):
-        if c.empty:
-            continue
-        local = [slice(a - o, b - o) for a, b, o in zip(c.start, c.stop, origin, strict=True)]
-        span = contiguous_span(block.shape, local)
-        if is_full(meta, c) and span is not None:
-            data: Any = raw[span[0] * itemsize : span[1] * itemsize]
-        else:
-            padded = torch.zeros(meta.inner_chunk_shape, dtype=block.dtype)
-            padded[tuple(slice(0, b - a) for a, b in zip(c.start, c.stop, strict=True))] = block[tuple(local)]
-            data = as_bytes(padded)
-        if comp is not None:
-            data = comp.encode(np.frombuffer(data, dtype=np.uint8))
-        crc = _CRC.pack(_native.crc32c(data))
-        buffers.append(data)
-        buffers.append(crc)
-        n = memoryview(data).nbytes + 4
-        index[c.ordinal] = (offset, n)
-        offset += n
-    idx = index.tobytes()
-    buffers.append(idx)
-    buffers.append(_CRC.pack(_native.crc32c(idx)))
-    return buffers
+
+    def payloads() -> Iterator[tuple[int, Any]]:
+        for c in inner_chunks(meta, shard):
+            if not c.empty:
+                data: Any = chunk_bytes(meta, c, block, raw, origin)
+                yield c.ordinal, comp.encode(np.frombuffer(data, dtype=np.uint8)) if comp is not None else data
+
+    return assemble(meta, payloads())
 
 
 def shard_digest(buffers: list[Any]) -> int:
