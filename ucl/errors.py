@@ -169,6 +169,27 @@ class InvalidArgumentError(UCLError, ValueError):
     code = "invalid_argument"
 
 
+class NotAFileError(IntegrityError):
+    """Where a document or shard should be there is something that is not a regular file: a directory,
+    a FIFO, a device node or a socket. Never opened for reading (a FIFO would block, a device never end)."""
+
+    code = "not_a_file"
+
+
+class StepRemovedError(CheckpointNotFoundError):
+    """The step was deleted (retention, ``ucl gc``, ``ucl compact``) while it was being read: its commit
+    record is gone or was replaced, so its missing files are not corruption."""
+
+    code = "step_removed"
+
+
+class PendingCompactionError(UCLError):
+    """An interrupted compaction of this step is pending (its journal exists): writing the step now would
+    race the journal's roll-forward. Finish it with ``ucl compact <repo> <step>``."""
+
+    code = "compaction_pending"
+
+
 ALL_CODES: dict[str, type[UCLError]] = {
     cls.code: cls
     for cls in [
@@ -177,7 +198,7 @@ ALL_CODES: dict[str, type[UCLError]] = {
         UnsupportedDTypeError, LimitExceededError, InconsistentMetadataError, IntegrityError,
         ChecksumError, MissingShardError, ShardSizeError, CorruptShardIndexError,
         CorruptCommitRecordError, LayoutError, DeltaChainError, WriteError, StepExistsError,
-        WriterLockedError, InvalidArgumentError,
+        WriterLockedError, InvalidArgumentError, NotAFileError, StepRemovedError, PendingCompactionError,
     ]
 }
 

@@ -221,11 +221,14 @@ class Writer(StorageWriter):
     3. ``prepare_local_plan(plan)`` (all ranks): unchanged.
     4. ``prepare_global_plan(plans)`` (coordinator): chooses the step number and every tensor's chunk
        grid (:func:`chunk_grid`), names the arrays from the planners' object paths, and starts the step
-       (``StepWriter.begin``: refuses a committed step, clears an uncommitted attempt).
+       (``StepWriter.begin``: takes the writer lock, refuses a committed step, clears an uncommitted
+       attempt). The ranks write only after this returns, so they write under the coordinator's lock.
     5. ``write_data(plan, planner)`` (all ranks): checks every non-tensor value is JSON-able, then writes
        the shard files of its boxes; returns their sizes and checksums.
     6. ``finish(metadata, results)`` (coordinator): writes the array and step documents and then,
-       last and atomically, the commit record. A save that fails before this commits nothing.
+       last and atomically, the commit record, and releases the lock. A save that fails before this
+       commits nothing; the lock is released when the coordinator's own ``write_data`` fails, else (another
+       rank failed: DCP calls no hook) by the next ``reset``, or when the writer is dropped or its process exits.
 
     Parameters
     ----------
@@ -267,6 +270,8 @@ class Writer(StorageWriter):
             self.path = os.fspath(checkpoint_id)
         self.save_id = uuid.uuid4().hex
         self.record = None
+        if self._step_writer is not None:  # an earlier save that failed before finish: its lock
+            self._step_writer.release()
         self._step_writer = None
         self._arrays, self._paths = {}, {}
 
@@ -322,7 +327,7 @@ class Writer(StorageWriter):
             arrays[fqn] = ArrayMeta(name=name, shape=shape, dtype=dtype, chunk_shape=chunk,
                                     inner_chunk_shape=inner, compression=self.compression)
         writer = StepWriter(repo, step, commit_threads=self.options.commit_threads)
-        writer.begin()
+        writer.begin()  # the writer lock, held by the coordinator until finish (or the next reset)
         self._step_writer, self._arrays, self._paths = writer, arrays, paths
         out = []
         for p in plans:
@@ -331,6 +336,14 @@ class Writer(StorageWriter):
         return out
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        try:
+            return self._write_data(plan, planner)
+        except BaseException:
+            if self._step_writer is not None:  # the coordinator failed: DCP will not call finish
+                self._step_writer.release()
+            raise
+
+    def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         rp: _RankPlan = plan.storage_data
         results: list[WriteResult] = []
         for item in plan.items:  # every value checked before any byte is written
@@ -353,6 +366,13 @@ class Writer(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if self._step_writer is None:
             raise WriteError("ucl.adapters.dcp.Writer.finish called before prepare_global_plan on the coordinator")
+        try:
+            self._finish(metadata, results)
+        finally:
+            self._step_writer.release()  # no-op once committed
+
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        assert self._step_writer is not None
         files: dict[str, tuple[int, int]] = {}
         leaves: dict[ObjPath, dict[str, Any]] = {}
         for rank_results in results:

@@ -97,3 +97,10 @@ class WriterLock:
             self.fd = None
         elif self._remote:
             self.repo.store.delete(REMOTE_NAME)
+
+    def __del__(self) -> None:  # a lock dropped unreleased (a writer that failed): local flock only
+        if getattr(self, "fd", None) is not None and not self._released:
+            try:
+                os.close(self.fd)  # type: ignore[arg-type]
+            except OSError:
+                pass

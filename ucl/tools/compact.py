@@ -8,8 +8,11 @@ bit for bit. The commit record is the truth, and a step's files live at fixed pa
 
 1. Write the full version, shards and documents, under ``compact/<N>/`` (the delta step stays
    committed and readable throughout). A crash here leaves only staging, which gc removes.
-2. Write the journal ``compact/<N>.json`` atomically: the new commit record. From here on the
-   compaction rolls forward, never back: every later step is idempotent and ``compact`` redoes them.
+2. Write the journal ``compact/<N>.json`` atomically: the new commit record and the crc32c of the one it
+   replaces. From here on the compaction rolls forward, never back: every later step is idempotent, and
+   whoever next holds the writer lock redoes them (``compact``, a writer of step N, a manager opening the
+   repository: ucl/write/compaction.py), after checking that the record it replaces is still the one
+   committed (else step N was saved anew and the journal is discarded, never applied over it).
 3. Delete ``commits/<N>.json``. Step N is invisible from now until step 5 (a reader that opens it
    in this window gets ``not_found``; one that had it open fails its size/checksum checks loudly,
    never silently).
@@ -43,15 +46,13 @@ from ucl.format.repository import (
     commit_key,
     compaction_journal,
     compaction_prefix,
-    step_prefix,
 )
 from ucl.format.shardfile import choose_inner_chunk, encode_shard, shard_digest
-from ucl.io.stores.base import Store
-from ucl.io.stores.local import LocalStore
 from ucl.options import DEFAULT_WRITE, WriteOptions
 from ucl.plan.save import all_shards, array_for
 from ucl.read.checkpoint import Checkpoint
 from ucl.tools.progress import Progress
+from ucl.write import compaction as journal
 from ucl.write.step import FileEntry
 
 __all__ = ["CompactResult", "compact"]
@@ -116,17 +117,21 @@ def compact(path: Any, step: int, *, compression: str | None = None, force: bool
     lock = WriterLock.acquire(repo)
     try:
         if repo.store.exists(compaction_journal(step)):
-            _finish(repo, step, hook)
+            if journal.finish(repo, step, hook) == "stale":
+                return CompactResult(step, False, f"discarded the journal of an interrupted compaction of step {step}: "
+                                     "the step was committed again since; it is left as committed")
             return CompactResult(step, True, f"finished the interrupted compaction of step {step}")
+        raw = repo.store.read(commit_key(step)) if repo.store.exists(commit_key(step)) else None
         record = repo.commit_record(step)
         meta = repo.step_meta(step, record)
         if meta.kind == "full" and not force:
             return CompactResult(step, False, f"step {step} is already a full step: nothing to do")
         new_record, nbytes = _stage(repo, step, record, meta, compression, progress, options)
         hook("staged")
-        repo.store.write_atomic(compaction_journal(step), new_record.to_bytes())
+        assert raw is not None
+        repo.store.write_atomic(compaction_journal(step), journal.journal_bytes(raw, new_record))
         hook("journal")
-        _finish(repo, step, hook)
+        journal.finish(repo, step, hook)
         return CompactResult(step, True, f"step {step} rewritten as a full step", nbytes)
     finally:
         lock.release()
@@ -174,36 +179,3 @@ def _stage(repo: Repository, step: int, record: CommitRecord, meta: StepMeta, co
         for d in sorted({os.path.dirname(f"{staging}/{rel}") for rel in files}, key=len, reverse=True):
             store.sync_dir(d)
     return CommitRecord(step=step, kind="full", parent=None, files=files), sum(a.nbytes for a in arrays.values())
-
-
-def _finish(repo: Repository, step: int, hook: Callable[[str], None]) -> None:
-    """Steps 3-6 of the protocol, each idempotent, driven by the journal."""
-    store = repo.store
-    key = compaction_journal(step)
-    record = CommitRecord.from_bytes(store.read(key), f"{repo.url}/{key}", step)
-    staging = compaction_prefix(step)
-    if store.exists(f"{staging}/zarr.json"):  # the new files are not in place yet
-        store.delete(commit_key(step))
-        hook("uncommitted")
-        store.delete_prefix(step_prefix(step))
-        hook("removed")
-        _move(store, staging, step_prefix(step))
-        hook("moved")
-    store.write_atomic(commit_key(step), record.to_bytes())
-    hook("committed")
-    store.delete_prefix(staging)
-    store.delete(key)
-
-
-def _move(store: Store, src: str, dst: str) -> None:
-    """Move every file under ``src`` to ``dst`` (a rename on local disks)."""
-    if isinstance(store, LocalStore):
-        os.rename(store.path(src), store.path(dst))
-        store.sync_dir(os.path.dirname(dst) or "")
-        store.sync_dir(os.path.dirname(src) or "")
-        return
-    for f in list(store.walk(src)):
-        rel = f.key[len(src) + 1:]
-        store.write(f"{dst}/{rel}", [store.read(f.key)])  # one object in memory
-    store.delete(f"{src}/zarr.json")  # first: staging without it is never taken for complete
-    store.delete_prefix(src)

@@ -93,7 +93,7 @@ class _StepBuilder:
             step = 0 if latest is None else latest + 1
         self.writer = StepWriter(repo, check_step(step), commit_threads=options.commit_threads)
         self.inner_bytes = options.inner_chunk_bytes
-        self.writer.begin()
+        self.writer.begin()  # takes the writer lock: release it with `with _StepBuilder(...)` or commit
         self.arrays: dict[str, Any] = {}
         self.files: dict[str, FileEntry] = {}
 
@@ -113,6 +113,12 @@ class _StepBuilder:
     def commit(self, tree: dict[str, Any], extensions: tuple[dict[str, Any], ...] = ()) -> CommitRecord:
         meta = StepMeta(step=self.step, kind="full", tree=tree, arrays=self.arrays, extensions=extensions)
         return self.writer.commit(meta, self.files)
+
+    def __enter__(self) -> _StepBuilder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.writer.release()  # the writer lock begin() took (commit released it already)
 
 
 def _flat_tree(keys: list[str]) -> dict[str, Any]:
@@ -243,29 +249,29 @@ def _import_safetensors(src: str, dst: Any, step: int | None, so: dict[str, Any]
     for name, fname in weight_map.items():
         by_file.setdefault(fname, []).append(name)
     total = sum(os.path.getsize(os.path.join(folder, f)) for f in by_file if os.path.isfile(os.path.join(folder, f)))
-    builder = _StepBuilder(dst, step, so, comp, options)
-    file_meta: dict[str, Any] = {}
-    nbytes = 0
-    with Progress(total, "import", enabled=progress) as bar:
-        for fname, keys in by_file.items():
-            path = os.path.join(folder, fname)
-            if not os.path.isfile(path):
-                raise CheckpointNotFoundError(f"the index names {fname}, which is not in {folder}", file=path)
-            with safe_open(path, framework="pt") as f:
-                present = set(f.keys())
-                file_meta[fname] = f.metadata()
-                for k in keys:
-                    if k not in present:
-                        raise InvalidArgumentError(f"the index puts {k!r} in {fname}, which does not hold it",
-                                                   tensor=k, file=path)
-                    n = builder.add(k, f.get_tensor(k))  # one tensor in memory at a time
-                    nbytes += n
-                    bar.update(n)
-    ext = {"name": SOURCE_EXTENSION, "must_understand": False, "configuration": {
-        "format": "safetensors", "weight_map": weight_map, "file_metadata": file_meta,
-        "index": None if index_name is None else {"name": index_name, "metadata": index_meta}}}
-    record = builder.commit(_flat_tree(list(weight_map)), (ext,))
-    return ImportResult(builder.step, "safetensors", len(weight_map), nbytes, record)
+    with _StepBuilder(dst, step, so, comp, options) as builder:
+        file_meta: dict[str, Any] = {}
+        nbytes = 0
+        with Progress(total, "import", enabled=progress) as bar:
+            for fname, keys in by_file.items():
+                path = os.path.join(folder, fname)
+                if not os.path.isfile(path):
+                    raise CheckpointNotFoundError(f"the index names {fname}, which is not in {folder}", file=path)
+                with safe_open(path, framework="pt") as f:
+                    present = set(f.keys())
+                    file_meta[fname] = f.metadata()
+                    for k in keys:
+                        if k not in present:
+                            raise InvalidArgumentError(f"the index puts {k!r} in {fname}, which does not hold it",
+                                                       tensor=k, file=path)
+                        n = builder.add(k, f.get_tensor(k))  # one tensor in memory at a time
+                        nbytes += n
+                        bar.update(n)
+        ext = {"name": SOURCE_EXTENSION, "must_understand": False, "configuration": {
+            "format": "safetensors", "weight_map": weight_map, "file_metadata": file_meta,
+            "index": None if index_name is None else {"name": index_name, "metadata": index_meta}}}
+        record = builder.commit(_flat_tree(list(weight_map)), (ext,))
+        return ImportResult(builder.step, "safetensors", len(weight_map), nbytes, record)
 
 
 # torch.save ----------------------------------------------------------------------------------------
@@ -288,15 +294,15 @@ def _import_torch(src: str, dst: Any, step: int | None, so: dict[str, Any] | Non
     except (RuntimeError, EOFError, OSError) as e:
         raise InvalidArgumentError(f"{src} is not a torch.save file: {e}", file=src) from None
     tensors, tree = structure.flatten(obj)
-    builder = _StepBuilder(dst, step, so, comp, options)
-    nbytes = 0
-    with Progress(sum(t.numel() * t.element_size() for t in tensors.values()), "import", enabled=progress) as bar:
-        for name in list(tensors):
-            n = builder.add(name, tensors.pop(name))  # the mapping pages in one tensor at a time
-            nbytes += n
-            bar.update(n)
-    record = builder.commit(tree)
-    return ImportResult(builder.step, "torch", len(builder.arrays), nbytes, record)
+    with _StepBuilder(dst, step, so, comp, options) as builder:
+        nbytes = 0
+        with Progress(sum(t.numel() * t.element_size() for t in tensors.values()), "import", enabled=progress) as bar:
+            for name in list(tensors):
+                n = builder.add(name, tensors.pop(name))  # the mapping pages in one tensor at a time
+                nbytes += n
+                bar.update(n)
+        record = builder.commit(tree)
+        return ImportResult(builder.step, "torch", len(builder.arrays), nbytes, record)
 
 
 # DCP -----------------------------------------------------------------------------------------------
@@ -396,21 +402,21 @@ def _import_dcp(src: str, dst: Any, step: int | None, so: dict[str, Any] | None,
         got = load({f: None for f in values}).values
         for f in values:
             leaves[paths[f]] = json_node(f, got[f])
-    builder = _StepBuilder(dst, step, so, comp, options)
-    nbytes = 0
-    total = sum(math.prod(m.size) * m.properties.dtype.itemsize for m in tensors.values())
-    with Progress(total, "import", enabled=progress) as bar:
-        for fqn, m in tensors.items():
-            t = torch.empty(tuple(m.size), dtype=m.properties.dtype)
-            load({fqn: t})  # one tensor per call: bounded memory
-            n = builder.add(leaves[paths[fqn]]["name"], t)
-            del t
-            nbytes += n
-            bar.update(n)
-    order = list(paths.values())
-    tree = tree_from_paths({p: leaves[p] for p in order})
-    record = builder.commit(tree)
-    return ImportResult(builder.step, "dcp", len(tensors), nbytes, record)
+    with _StepBuilder(dst, step, so, comp, options) as builder:
+        nbytes = 0
+        total = sum(math.prod(m.size) * m.properties.dtype.itemsize for m in tensors.values())
+        with Progress(total, "import", enabled=progress) as bar:
+            for fqn, m in tensors.items():
+                t = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+                load({fqn: t})  # one tensor per call: bounded memory
+                n = builder.add(leaves[paths[fqn]]["name"], t)
+                del t
+                nbytes += n
+                bar.update(n)
+        order = list(paths.values())
+        tree = tree_from_paths({p: leaves[p] for p in order})
+        record = builder.commit(tree)
+        return ImportResult(builder.step, "dcp", len(tensors), nbytes, record)
 
 
 # -- export ----------------------------------------------------------------------------------------

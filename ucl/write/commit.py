@@ -96,8 +96,8 @@ class StepCommit:
             merged: dict[str, FileEntry] = {}
             for r in reports:
                 merged.update({k: tuple(v) for k, v in r["files"].items()})  # type: ignore[misc]
-            record = StepWriter(self.repo, job.step, commit_threads=self.commit_threads).commit(self.step_meta(job, reports, base), merged,
-                                                            documents=job.documents)
+            writer = StepWriter(self.repo, job.step, lock=self.lock, commit_threads=self.commit_threads)
+            record = writer.commit(self.step_meta(job, reports, base), merged, documents=job.documents)
             if self.lock is not None:
                 self.lock.renew()
             self.retention.retain(job.step)

@@ -33,6 +33,7 @@ class SaveHandle:
         self.skipped = skipped
         self._future: Future[CommitRecord | None] = Future() if future is None else future
         self.staged_s = 0.0
+        self.observed = False  # the caller has seen the outcome (result/exception): wait/close do not re-raise it
         if skipped:
             self._future.set_result(None)
 
@@ -42,9 +43,14 @@ class SaveHandle:
         Raises the save's error (a UCLError, e.g. WriteError naming the file) if it failed.
         """
         try:
-            return self._future.result(timeout)
+            out = self._future.result(timeout)
         except FutureTimeout:
             raise TimeoutError(f"step {self.step} is not committed after {timeout} s") from None
+        except BaseException:
+            self.observed = True
+            raise
+        self.observed = True
+        return out
 
     def done(self) -> bool:
         """Whether the save has finished (committed, failed or skipped)."""
@@ -52,7 +58,12 @@ class SaveHandle:
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The save's error, or None once it committed (blocks like :meth:`result`)."""
-        return self._future.exception(timeout)
+        try:
+            err = self._future.exception(timeout)
+        except FutureTimeout:
+            raise TimeoutError(f"step {self.step} is not committed after {timeout} s") from None
+        self.observed = True
+        return err
 
     def __repr__(self) -> str:
         state = "skipped" if self.skipped else "done" if self.done() else "pending"

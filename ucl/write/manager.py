@@ -39,6 +39,7 @@ from typing import Any
 from ucl.errors import InvalidArgumentError, StepExistsError
 from ucl.format import structure
 from ucl.format.lock import WriterLock
+from ucl.write import compaction
 from ucl.format.metadata import CommitRecord
 from ucl.format.repository import Repository, check_step, commit_key, step_prefix
 from ucl.layout import as_layout, as_mesh
@@ -203,8 +204,7 @@ class CheckpointManager:
                 raise
         elif dtensor and mesh is not None:
             raise InvalidArgumentError("layout='dtensor' takes its mesh from the DTensors; pass no mesh=")
-        self.repo = self._open_repo(path, storage_options)
-        self._lock = WriterLock.acquire(self.repo) if self.rank == 0 else None
+        self.repo, self._lock = self._open_repo(path, storage_options)
         codec = {"name": "zstd", "configuration": {"level": 1, "checksum": False}} if compression else None
         self._planner = Planner(self._ctl, self.rank, self.world, codec, self.layout, self.mesh, dtensor,
                                 options.inner_chunk_bytes)
@@ -219,13 +219,22 @@ class CheckpointManager:
         self._thread = threading.Thread(target=self._persist_loop, name="ucl-persist", daemon=True)
         self._thread.start()
 
-    def _open_repo(self, path: Any, storage_options: dict[str, Any] | None) -> Repository:
+    def _open_repo(self, path: Any, storage_options: dict[str, Any] | None) -> tuple[Repository, WriterLock | None]:
+        """The repository and (rank 0) its writer lock. Rank 0 also finishes the compactions a crash
+        interrupted, before any rank looks at the steps: a step hidden by one is visible again."""
+        lock = None
         if self.rank == 0:
             repo = Repository.open(path, storage_options, create=True)
+            lock = WriterLock.acquire(repo)
+            try:
+                compaction.finish_pending(repo)
+            except BaseException:
+                lock.release()
+                raise
         self._dist.barrier()
         if self.rank != 0:
             repo = Repository.open(path, storage_options)
-        return repo
+        return repo, lock
 
     # the constructor's settings, read by the parts that use them
     @property
@@ -420,23 +429,27 @@ class CheckpointManager:
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every save so far is committed; raise the first failure."""
+        """Block until every save so far is committed; raise the first failure the caller has not seen
+        yet (a failure already raised by its handle's ``result()``, or by an earlier ``wait``, is handled)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         first: BaseException | None = None
         for h in list(self._pending):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            seen = h.observed
             try:
                 h.result(left)
             except TimeoutError:
                 raise
             except BaseException as e:  # noqa: BLE001
-                first = first or e
+                if not seen:
+                    first = first or e
         self._pending = [h for h in self._pending if not h.done()]
         if first is not None:
             raise first
 
     def close(self, timeout: float | None = 60.0) -> None:
-        """Drain pending saves (bounded by ``timeout``), stop the threads, release the lock."""
+        """Drain pending saves (bounded by ``timeout``), stop the threads, release the lock; raise the first
+        failure the caller has not seen (as :meth:`wait`)."""
         if self._closed:
             return
         self._closed = True

@@ -61,6 +61,8 @@ def save(state: Mapping[str, Any], path: str | os.PathLike[str] | Store, step: i
     ------
     StepExistsError
         When ``step`` is already committed.
+    WriterLockedError
+        When another writer (a CheckpointManager, ``ucl gc``, ...) holds the repository.
     InvalidArgumentError, InvalidNameError, UnsupportedDTypeError
         When the state holds something ucl cannot store; nothing is written then.
     """
@@ -85,16 +87,16 @@ def save(state: Mapping[str, Any], path: str | os.PathLike[str] | Store, step: i
     arrays = {n: array_for(n, t, compression=comp, inner_bytes=options.inner_chunk_bytes)  # all checks before any write
               for n, t in tensors.items()}
     repo = Repository.open(path, storage_options, create=True)
-    w = StepWriter(repo, step, commit_threads=options.commit_threads)
-    w.begin()
-    files: dict[str, FileEntry] = {}
-    for name, t in tensors.items():
-        meta = arrays[name]
-        cpu = t.detach().to("cpu")
-        for coords in all_shards(meta):
-            rel, entry = w.write_shard(meta, coords, shard_block(meta, coords, cpu))
-            files[rel] = entry
-    return w.commit(StepMeta(step=step, kind="full", tree=tree, arrays=arrays), files)
+    with StepWriter(repo, step, commit_threads=options.commit_threads) as w:
+        w.begin()  # the writer lock, held until the commit
+        files: dict[str, FileEntry] = {}
+        for name, t in tensors.items():
+            meta = arrays[name]
+            cpu = t.detach().to("cpu")
+            for coords in all_shards(meta):
+                rel, entry = w.write_shard(meta, coords, shard_block(meta, coords, cpu))
+                files[rel] = entry
+        return w.commit(StepMeta(step=step, kind="full", tree=tree, arrays=arrays), files)
 
 
 # -- saving from one process ---------------------------------------------------------------------------
@@ -123,23 +125,15 @@ def save_sharded(
     merged = merge_plans(rank_plans)
     plans = [saveplan.from_layout(p, merged, comp, options.inner_chunk_bytes) for p in rank_plans]
     repo = Repository.open(path, storage_options, create=True)
-    w = StepWriter(repo, step, commit_threads=options.commit_threads)
-    w.begin()
-    files: dict[str, tuple[int, int]] = {}
-    for (tensors, _), plan in zip(flat, plans, strict=True):
-        for lw in plan.writes:
-            block = saveplan.block_of(lw, tensors[lw.source].detach().to("cpu"))
-            rel, entry = w.write_shard(lw.array, lw.coords, block)
-            files[rel] = entry
-    tree = structure.graft(flat[0][1], [])  # the JSON values; readers place tensors by their names
-    return w.commit(
-        StepMeta(
-            step=step,
-            kind="full",
-            tree=tree,
-            arrays=plans[0].arrays,
-            layout=plans[0].layout,
-            mesh=plans[0].mesh,
-        ),
-        files,
-    )
+    with StepWriter(repo, step, commit_threads=options.commit_threads) as w:
+        w.begin()  # the writer lock, held until the commit
+        files: dict[str, tuple[int, int]] = {}
+        for (tensors, _), plan in zip(flat, plans, strict=True):
+            for lw in plan.writes:
+                block = saveplan.block_of(lw, tensors[lw.source].detach().to("cpu"))
+                rel, entry = w.write_shard(lw.array, lw.coords, block)
+                files[rel] = entry
+        tree = structure.graft(flat[0][1], [])  # the JSON values; readers place tensors by their names
+        meta = StepMeta(step=step, kind="full", tree=tree, arrays=plans[0].arrays, layout=plans[0].layout,
+                        mesh=plans[0].mesh)
+        return w.commit(meta, files)

@@ -12,12 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ucl.errors import CheckpointNotFoundError, StepExistsError
+from ucl.errors import CheckpointNotFoundError, StepExistsError, WriteError
 from ucl.format import metadata
+from ucl.format.lock import WriterLock
 from ucl.format.metadata import ArrayMeta, CommitRecord, StepMeta
-from ucl.format.repository import Repository, check_step, commit_key, step_prefix
+from ucl.format.repository import Repository, check_step, commit_key, compaction_journal, step_prefix
 from ucl.format.shardfile import encode_shard, shard_digest
 from ucl.io.stores.base import Store
+from ucl.write import compaction
 
 FileEntry = tuple[int, int]  # (size, crc32c)
 
@@ -27,30 +29,59 @@ class StepWriter:
 
     Call sequence (who calls each):
 
-    1. ``begin()``: the coordinator, before any rank writes. Refuses a committed step; removes the files
-       of an earlier attempt that never committed.
+    1. ``begin()``: the coordinator, before any rank writes. Takes the repository's writer lock (unless
+       the caller holds it: ``lock=``), so that two writers never race for a step; finishes an
+       interrupted compaction of the step (its journal) first; refuses a committed step; removes the
+       files of an earlier attempt that never committed.
     2. ``write_shard(meta, coords, block)``: every rank, for each shard it owns. Returns the file's
        entry (relative path, size, crc32c); the file is durable when it returns.
     3. ``commit(meta, files)``: the coordinator, once every rank's shards are durable, with the union of
        their entries: writes the array and step documents, makes directories durable, then writes the
-       commit record atomically. The step exists from that moment, and not before.
+       commit record atomically. The step exists from that moment, and not before. A lock ``begin``
+       took is released then (and by ``release()`` or the ``with`` block's end on failure).
+
+    Other ranks of a distributed save only call ``write_shard``; the coordinator holds the lock.
     """
 
-    def __init__(self, repo: Repository, step: int, *, commit_threads: int = 16) -> None:
+    def __init__(self, repo: Repository, step: int, *, lock: WriterLock | None = None,
+                 commit_threads: int = 16) -> None:
         self.repo = repo
         self.store: Store = repo.store
         self.step = check_step(step)
         self.commit_threads = commit_threads
         self.prefix = step_prefix(self.step)
+        self.lock = lock
+        self._owned: WriterLock | None = None
 
     def begin(self) -> None:
+        if self.lock is None:
+            self.lock = self._owned = WriterLock.acquire(self.repo)
         try:
-            self.repo.commit_record(self.step)
-        except CheckpointNotFoundError:  # also StepNotCommittedError: files of an attempt never committed
-            self.store.delete_prefix(self.prefix)
-        else:
-            raise StepExistsError(f"step {self.step} is already committed in {self.repo.url}; committed "
-                                  "steps never change", file=commit_key(self.step))
+            if self.store.exists(compaction_journal(self.step)):
+                compaction.finish(self.repo, self.step)  # a crashed `ucl compact` of this step
+            try:
+                self.repo.commit_record(self.step)
+            except CheckpointNotFoundError:  # also StepNotCommittedError: files of an attempt never committed
+                self.store.delete_prefix(self.prefix)
+            else:
+                raise StepExistsError(f"step {self.step} is already committed in {self.repo.url}; committed "
+                                      "steps never change", file=commit_key(self.step))
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Give up the writer lock ``begin`` took (no-op otherwise, and when done already)."""
+        if self._owned is not None:
+            self._owned.release()
+            self._owned = None
+            self.lock = None
+
+    def __enter__(self) -> StepWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
     def write_shard(self, meta: ArrayMeta, coords: tuple[int, ...],
                     block: torch.Tensor) -> tuple[str, FileEntry]:
@@ -75,7 +106,18 @@ class StepWriter:
 
     def commit(self, meta: StepMeta, files: Mapping[str, FileEntry],
                documents: Mapping[str, FileEntry] | None = None) -> CommitRecord:
-        """Write the documents (unless ``documents`` says they are written and durable), then the record."""
+        """Write the documents (unless ``documents`` says they are written and durable), then the record.
+        Only a holder of the writer lock commits (``begin``, or ``lock=``)."""
+        if self.lock is None:
+            raise WriteError(f"step {self.step} of {self.repo.url}: StepWriter.commit without the writer lock "
+                             "(call begin() first, or pass lock=)", file=commit_key(self.step))
+        try:
+            return self._commit(meta, files, documents)
+        finally:
+            self.release()
+
+    def _commit(self, meta: StepMeta, files: Mapping[str, FileEntry],
+                documents: Mapping[str, FileEntry] | None) -> CommitRecord:
         entries = dict(files)
         if documents is not None:
             entries.update(documents)

@@ -347,3 +347,23 @@ def test_one_writer_per_s3_repository(bucket) -> None:  # noqa: ANN001
             CheckpointManager(url)
     with CheckpointManager(url) as mgr:  # released on close
         mgr.save(2, {"w": _torch.ones(3)}).result()
+
+
+def test_every_writer_takes_the_s3_lease(bucket, tmp_path) -> None:  # noqa: ANN001
+    """ucl.save and import take the lease object too (issue 13 item 3); before, they wrote beside a manager."""
+    from ucl.errors import WriterLockedError
+    from ucl.tools.convert import import_checkpoint
+
+    url = f"s3://{bucket}/writers"
+    src = tmp_path / "src.pt"
+    torch.save({"w": torch.ones(3)}, src)
+    with CheckpointManager(url) as mgr:
+        mgr.save(1, {"w": torch.ones(3)}).result()
+        with pytest.raises(WriterLockedError, match="writer.lock until its lease expires"):
+            ucl.save({"w": torch.zeros(3)}, url, step=2)
+        with pytest.raises(WriterLockedError, match="writer.lock until its lease expires"):
+            import_checkpoint(src, url, step=3)
+    ucl.save({"w": torch.zeros(3)}, url, step=2)  # released on close; and ucl.save gives it back
+    import_checkpoint(src, url, step=3)
+    assert not FsspecStore(url).exists("writer.lock")
+    assert Repository.open(url).steps() == [1, 2, 3] and ucl.validate(url).ok
