@@ -14,6 +14,9 @@ import struct
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
+from ucl.delta import codec as delta_codec
 from ucl.delta.chain import DEFAULT_MAX_CHAIN
 from ucl.errors import (
     ChecksumError,
@@ -230,6 +233,10 @@ def _check_shard(repo: Repository, files: StepFiles, record: CommitRecord, arr: 
     else:
         index = files.index(arr, coords)
     data = got.view if isinstance(got, Lease) else got
+    # a delta payload is decoded as the reader decodes it (frames, sizes), into scratch words: its values
+    # need the base, its decodability does not
+    scratch = (np.zeros(arr.inner_nbytes // arr.itemsize, delta_codec.word_dtype(arr.itemsize))
+               if arr.delta is not None else None)
     try:
         _check_presence(arr, coords, index, key)
         crcs = []
@@ -247,7 +254,14 @@ def _check_shard(repo: Repository, files: StepFiles, record: CommitRecord, arr: 
                     raise ChecksumError(f"shard {key}: an inner chunk at offset {off} of tensor {arr.name!r} fails "
                                         "its crc32c", tensor=arr.name, file=key)
                 crcs.append(stored)
-                if arr.compression is not None:  # a chunk that does not decode is as unreadable as a bad crc
+                if scratch is not None:  # validate vouches only for what load decodes
+                    try:
+                        delta_codec.decode_chunk(view[: nb - 4], scratch, scratch)
+                    except UCLError as e:
+                        raise DeltaChainError(f"shard {key}: the delta payload of inner chunk {ordinal} of tensor "
+                                              f"{arr.name!r} does not decode: [{e.code}] {e.message}",
+                                              tensor=arr.name, file=key) from None
+                elif arr.compression is not None:  # a chunk that does not decode is as unreadable as a bad crc
                     decode_chunk(arr, view[: nb - 4], key, (ordinal,))
             finally:
                 if isinstance(piece, Lease):
