@@ -275,8 +275,7 @@ def test_a_failed_save_never_leaves_a_gradient_step_without_its_parent(tmp_path:
                     _native.inject_fault(None)
             elif t != 3:
                 handles[t].result()
-        with pytest.raises(WriteError, match="not committed|Input/output"):
-            mgr.wait()
+        mgr.wait()  # both failures were seen through their handles: handled, not raised again
     with pytest.raises(WriteError, match="staged as the gradients of step 3"):
         handles[4].result()
     steps = ucl.Repository.open(path).steps()

@@ -42,12 +42,34 @@ _UINT = {1: torch.uint8, 2: torch.uint16, 4: torch.int32, 8: torch.int64, 16: to
 SPEC_DTYPES: tuple[str, ...] = tuple(_TABLE)
 
 
-def from_torch(dtype: torch.dtype) -> str:
-    """The spec name of a torch dtype; raises UnsupportedDTypeError for others."""
+def from_torch(dtype: torch.dtype, tensor: str | None = None) -> str:
+    """The spec name of a torch dtype; raises UnsupportedDTypeError for others (naming ``tensor``, when
+    given: the tensor of that dtype a writer was asked to store)."""
     try:
         return _BY_TORCH[dtype]
     except KeyError:
-        raise UnsupportedDTypeError(f"torch dtype {dtype} has no ucl data type") from None
+        pass
+    what = f"tensor {tensor!r} has dtype {dtype}" if tensor is not None else f"torch dtype {dtype}"
+    raise UnsupportedDTypeError(f"{what}, which is not one of ucl's data types ({', '.join(_TABLE)}; "
+                                f"spec/core.md §4): {_convert_hint(dtype)}", tensor=tensor)
+
+
+def _convert_hint(dtype: torch.dtype) -> str:
+    """What to store instead of a tensor of ``dtype`` (a dtype outside the table)."""
+    if dtype == torch.complex32:
+        return "store t.to(torch.complex64) (exact)"
+    if dtype in _QUANTIZED:
+        return "store t.dequantize(), or t.int_repr() with its scales and zero points"
+    bits = f"t.view(torch.uint{8 * dtype.itemsize})" if dtype.itemsize in (1, 2, 4, 8) else None
+    if dtype.is_floating_point and "_x" not in str(dtype):  # float8 variants (fnuz, e8m0); not packed float4
+        return "store t.to(torch.float32) (its values)" + (f" or {bits} (its bit patterns)" if bits else "")
+    if bits is not None and not dtype.is_complex:  # packed sub-byte types, bits8/16
+        return f"store its bit patterns, {bits}"
+    return "convert it to one of these data types first"
+
+
+_QUANTIZED = frozenset(getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+                       if hasattr(torch, n))
 
 
 def check(name: object) -> str:

@@ -1,4 +1,4 @@
-"""One writer per repository (spec/core.md §7.7).
+"""One writer per repository (spec/core.md §7, item 7).
 
 - Local filesystems: an ``flock`` on ``<repo>/.ucl-writer.lock``; the kernel releases it when the holder
   dies, so a crashed job never blocks its restart.

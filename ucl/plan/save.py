@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,8 +99,13 @@ def replicated(
 
 # -- layouts ---------------------------------------------------------------------------------------
 def local_shapes(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """What the planner needs of a rank's state (small, JSON-able: it is allgathered)."""
-    return {n: (tuple(t.shape), dtypes.from_torch(t.dtype)) for n, t in tensors.items()}
+    """What the planner needs of a rank's state (small, JSON-able: it is allgathered). Checks every tensor
+    (:func:`check_tensor`)."""
+    out = {}
+    for n, t in tensors.items():
+        dtype = check_tensor(n, t)  # first: a nested tensor has no t.shape
+        out[n] = (tuple(t.shape), dtype)
+    return out
 
 
 def plan_rank(
@@ -235,23 +241,89 @@ def block_of(w: LocalWrite, local: torch.Tensor) -> torch.Tensor:
     if w.box is not None:
         src = local[tuple(slice(a, a + n) for a, n in zip(w.box[0], w.box[1], strict=True))]
     if w.stored_box is None:
-        return src
+        return values_of(src)
     meta = w.array
     origin = tuple(i * c for i, c in zip(w.coords, meta.chunk_shape, strict=True))
     region = tuple(min(c, n - o) for c, n, o in zip(meta.chunk_shape, meta.shape, origin, strict=True))
     out = torch.zeros(region, dtype=local.dtype)
     start, shape = w.stored_box
-    out[tuple(slice(a, a + n) for a, n in zip(start, shape, strict=True))] = src.reshape(shape)
+    out[tuple(slice(a, a + n) for a, n in zip(start, shape, strict=True))] = src.reshape(shape)  # the values
     return out
+
+
+# -- what a writer stores of a tensor ----------------------------------------------------------------
+def check_tensor(name: str, t: Any) -> str:
+    """Check that a writer can store the values of tensor ``name``; returns its spec data type.
+
+    The one check of a tensor's kind, run on every tensor of a state before any byte of the step is
+    written, by every writer (``ucl.save`` and ``save_sharded`` through :func:`array_for` and
+    :func:`local_shapes`, the manager's planner on every save). Refused, with InvalidArgumentError: what is
+    not a tensor, nested, sparse and other non-strided tensors (mkldnn), quantized tensors, and tensors
+    without values (the meta device, fake tensors); with UnsupportedDTypeError, data types outside
+    spec/core.md §4. Accepted and stored by their values: any strided tensor with values, whatever its
+    strides (views, expanded), autograd state, subclass (``nn.Parameter``) or conjugate / negative bit
+    (the bytes written are those of :func:`values_of`).
+    """
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgumentError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor", tensor=name)
+    if t.is_nested:  # before t.layout and t.shape, which a nested tensor may not have
+        raise InvalidArgumentError(
+            f"tensor {name!r} is a nested tensor (torch.nested); ucl stores rectangular tensors: save its "
+            "components (list(t.unbind())) or t.to_padded_tensor(0.0)", tensor=name)
+    if t.layout != torch.strided:
+        what = "sparse" if t.layout in _SPARSE else "non-strided"
+        raise InvalidArgumentError(f"tensor {name!r} is a {what} tensor (layout {t.layout}); ucl stores "
+                                   "dense values: save t.to_dense()", tensor=name)
+    if t.is_quantized:
+        raise InvalidArgumentError(f"tensor {name!r} is quantized ({t.dtype}, {t.qscheme()}); ucl stores "
+                                   "plain data types: save t.dequantize(), or t.int_repr() with its scales "
+                                   "and zero points", tensor=name)
+    if t.is_meta:
+        raise InvalidArgumentError(f"tensor {name!r} is on the meta device: a meta tensor has no values to "
+                                   "save (materialize it first, e.g. module.to_empty(device='cpu'), then "
+                                   "initialize or load it)", tensor=name)
+    if _is_fake(t):
+        raise InvalidArgumentError(f"tensor {name!r} is a FakeTensor: a fake tensor has no values to save "
+                                   "(save real tensors, made outside FakeTensorMode)", tensor=name)
+    return dtypes.from_torch(t.dtype, tensor=name)
+
+
+def check_tensors(tensors: Mapping[str, Any]) -> None:
+    """:func:`check_tensor` of every tensor of a (flat) state."""
+    for n, t in tensors.items():
+        check_tensor(n, t)
+
+
+def values_of(t: torch.Tensor) -> torch.Tensor:
+    """The values of ``t`` as a tensor whose bytes are them: a conjugate or negative view (``t.conj()`` of a
+    complex tensor, ``torch._neg_view``) resolved into a copy, any other tensor returned as it is."""
+    return t.resolve_conj().resolve_neg()
+
+
+_SPARSE = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,
+                     torch.sparse_bsc})
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    fake = sys.modules.get("torch._subclasses.fake_tensor")  # loaded with torch; never imported here
+    return fake is not None and isinstance(t, getattr(fake, "FakeTensor", ()))
 
 
 def array_for(name: str, t: torch.Tensor, chunk_shape: tuple[int, ...] | None = None,
               compression: dict[str, Any] | None = None, inner_bytes: int = INNER_CHUNK_BYTES) -> ArrayMeta:
-    """The stored-array metadata for a tensor written whole by one writer (or with a given block)."""
-    if not isinstance(t, torch.Tensor):
-        raise InvalidArgumentError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor", tensor=name)
-    dtype = dtypes.from_torch(t.dtype)
-    shape = tuple(t.shape)
+    """The stored-array metadata for a tensor written whole by one writer (or with a given block); checks
+    the tensor first (:func:`check_tensor`: it must have values a writer can store)."""
+    dtype = check_tensor(name, t)
+    return array_for_shape(name, tuple(t.shape), dtype, chunk_shape, compression, inner_bytes)
+
+
+def array_for_shape(name: str, shape: tuple[int, ...], dtype: str | torch.dtype,
+                    chunk_shape: tuple[int, ...] | None = None, compression: dict[str, Any] | None = None,
+                    inner_bytes: int = INNER_CHUNK_BYTES) -> ArrayMeta:
+    """:func:`array_for` from a shape and a data type (a spec name or a torch dtype) alone: for a writer
+    whose values come from elsewhere (compaction reads them from the step it rewrites)."""
+    dtype = dtypes.check(dtype) if isinstance(dtype, str) else dtypes.from_torch(dtype, tensor=name)
+    shape = tuple(shape)
     block = tuple(max(1, s) for s in (chunk_shape or shape))
     inner = choose_inner_chunk(block, dtypes.itemsize(dtype), inner_bytes)
     return ArrayMeta(name=names.check_name(name), shape=shape, dtype=dtype, chunk_shape=block,
@@ -259,9 +331,10 @@ def array_for(name: str, t: torch.Tensor, chunk_shape: tuple[int, ...] | None = 
 
 
 def shard_block(meta: ArrayMeta, coords: tuple[int, ...], t: torch.Tensor) -> torch.Tensor:
-    """The part of a whole (logical) tensor that shard ``coords`` holds, clipped to the array."""
+    """The values of the part of a whole (logical) tensor that shard ``coords`` holds, clipped to the array
+    (a conjugate or negative view resolved: :func:`values_of`)."""
     idx = tuple(slice(c * s, min((c + 1) * s, n)) for c, s, n in zip(coords, meta.chunk_shape, meta.shape, strict=True))
-    return t[idx]
+    return values_of(t[idx])
 
 
 def all_shards(meta: ArrayMeta) -> list[tuple[int, ...]]:

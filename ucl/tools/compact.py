@@ -33,8 +33,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
-
 from ucl.errors import InvalidArgumentError
 from ucl.format import metadata
 from ucl.format.lock import WriterLock
@@ -49,7 +47,7 @@ from ucl.format.repository import (
 )
 from ucl.format.shardfile import choose_inner_chunk, encode_shard, shard_digest
 from ucl.options import DEFAULT_WRITE, WriteOptions
-from ucl.plan.save import all_shards, array_for
+from ucl.plan.save import all_shards, array_for_shape
 from ucl.read.checkpoint import Checkpoint
 from ucl.tools.progress import Progress
 from ucl.write import compaction as journal
@@ -155,8 +153,8 @@ def _stage(repo: Repository, step: int, record: CommitRecord, meta: StepMeta, co
             arrays = {}
             for n in ckpt.keys():
                 t = ckpt[n]
-                arrays[n] = array_for(n, torch.empty(t.shape, dtype=t.dtype, device="meta"), compression=comp,
-                                     inner_bytes=options.inner_chunk_bytes)
+                arrays[n] = array_for_shape(n, tuple(t.shape), t.dtype, compression=comp,
+                                            inner_bytes=options.inner_chunk_bytes)
             extensions = tuple(e for e in extensions if e.get("name") != GRADIENT_RECORDS)
         for name, a in arrays.items():
             # the stored array (a layout step's ckpt[name] is the logical tensor); a gradient step's tensor

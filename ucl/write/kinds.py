@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ucl.delta.gradients import GradientTracker, locate, optimizer_fingerprint
-from ucl.errors import WriteError
+from ucl.errors import UCLError, WriteError
 from ucl.format.metadata import ArrayMeta
 from ucl.format.records import GradientRecords, choose_encoding
 from ucl.plan import save as saveplan
@@ -94,19 +94,25 @@ class StepKinds:
     # -- the caller thread -------------------------------------------------------------------------
     def gradients(self, tensors: dict[str, torch.Tensor],
                   optimizer: Any) -> tuple[GradientJob, dict[str, torch.Tensor]] | None:
-        """The gradients to stage with this save, when it may be stored as gradient records (else None)."""
+        """The gradients to stage with this save, when it may be stored as gradient records (else None:
+        the state is stored; also for gradients ucl cannot store, e.g. nn.Embedding(sparse=True)'s)."""
+        # a state without the optimizer's tensors fails every save
+        params, prefix = locate(optimizer, tensors)
+        flat = [p for g in optimizer.param_groups for p in g["params"]]
+        try:  # before a tracker is made: it reads every .grad's storage after each optimizer step
+            saveplan.check_tensors({n: p.grad for n, p in zip(params, flat, strict=True)
+                                    if p.grad is not None})
+        except UCLError:
+            return None
         if self._tracker is None or self._tracker.optimizer is not optimizer:
             if self._tracker is not None:
                 self._tracker.close()
             self._tracker = GradientTracker(optimizer)
-        # a state without the optimizer's tensors fails every save
-        params, prefix = locate(optimizer, tensors)
         if self._tracker.check() is not None or prefix is None or self._last_saved is None:
             return None
         gp = "grad/"
         while any(n.startswith(gp) for n in tensors):
             gp = gp[:-1] + "_/"
-        flat = [p for g in optimizer.param_groups for p in g["params"]]
         grads = {gp + n: p.grad for n, p in zip(params, flat, strict=True) if p.grad is not None}
         key = tuple((n, tuple(t.shape), t.dtype) for n, t in grads.items())
         if key not in self._grad_plans:
@@ -146,9 +152,8 @@ class StepKinds:
 
     def saved(self, step: int, optimizer: Any) -> None:
         """After a save staged its state: the next gradient records refer to ``step``."""
-        if optimizer is not None:
-            assert self._tracker is not None
-            self._tracker.saved()
+        if optimizer is not None and self._tracker is not None and self._tracker.optimizer is optimizer:
+            self._tracker.saved()  # (no tracker: this optimizer's gradients cannot be stored)
         self._last_saved = step
 
     # -- the persister thread ----------------------------------------------------------------------

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ucl.errors import UCLError
 from ucl.layout import Layout, Mesh, as_mesh, layout_from_dtensors, mesh_rank
 from ucl.plan import save as saveplan
 from ucl.plan.items import RankPlan
@@ -47,9 +48,15 @@ class Planner:
         self._dtensor_key: Any = None
 
     def plan(self, tensors: dict[str, torch.Tensor]) -> saveplan.SavePlan:
-        """The plan of a state of these tensors (every rank calls it, for a layout save)."""
-        key: Any = tuple((n, tuple(t.shape), t.dtype) for n, t in tensors.items())
+        """The plan of a state of these tensors (every rank calls it, for a layout save).
+
+        Checks every tensor first, on every save (a cached plan included): what ucl cannot store (sparse,
+        meta, nested, quantized, an unsupported dtype) is refused here, on the caller's thread, before a
+        byte is staged or written (:func:`ucl.plan.save.check_tensor`). A layout save's ranks plan
+        together: a rank's refusal is raised on every rank."""
         if self.layout is None and not self.dtensor:
+            saveplan.check_tensors(tensors)  # no collective to join: data-parallel ranks hold one state
+            key: Any = tuple((n, tuple(t.shape), t.dtype) for n, t in tensors.items())
             plan = self.plans.get(key)
             if plan is None:
                 if self.world == 1:
@@ -58,11 +65,23 @@ class Planner:
                     plan = saveplan.replicated(tensors, self.rank, self.world, self.compression, self.inner_bytes)
                 self.plans = {key: plan}  # one cached plan: the state's shapes rarely change
             return plan
-        layout, mesh, rank_in_mesh = self._source()
-        key = (key, self._dtensor_key)
+        error = None
+        try:
+            saveplan.check_tensors(tensors)
+        except UCLError as e:
+            if self._ctl.group is None:
+                raise
+            error = error_dict(e, self.rank)
+        key = (None if error else tuple((n, tuple(t.shape), t.dtype) for n, t in tensors.items()),
+               self._dtensor_key)
         hit = key in self.plans
         if self._ctl.group is not None:  # every rank plans again if any rank's shapes changed
-            hit = all(self._ctl.allgather(hit))
+            votes = self._ctl.allgather((hit, error))
+            errors = [err for _, err in votes if err is not None]
+            if errors:  # every rank refuses the save, before any byte of it
+                raise error_from(errors[0])
+            hit = all(h for h, _ in votes)
+        layout, mesh, rank_in_mesh = self._source()
         if not hit:
             self.plans = {key: self.plan_layout(tensors, layout, mesh, rank_in_mesh)}
         return self.plans[key]
@@ -109,6 +128,8 @@ class Planner:
         """The local shards of a DTensor state (its layout derived from the placements, cached)."""
         from torch.distributed.tensor import DTensor  # not needed (nor imported) by other saves
 
+        # before t.shape, which a nested tensor lacks (the local shards are checked by plan())
+        saveplan.check_tensors({n: t for n, t in tensors.items() if not isinstance(t, DTensor)})
         key = tuple((n, tuple(t.shape), tuple(t.placements), t.device_mesh) if isinstance(t, DTensor)
                     else (n, tuple(t.shape)) for n, t in tensors.items())
         if key not in self._dtensor_layouts:

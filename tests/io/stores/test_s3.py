@@ -200,7 +200,8 @@ def test_files_without_a_commit_record_are_no_step(bucket) -> None:
     meta = array_for("t", t)
     for coords in all_shards(meta):
         w.write_shard(meta, coords, shard_block(meta, coords, t))
-    # a crash here: the shard is on S3, the commit record is not
+    # a crash here: the shard is on S3, the commit record is not (and the dead writer's lease expires)
+    w.release()
     assert repo.latest() == 1 and repo.steps() == [1]
     assert ucl.open(url).step == 1
     with pytest.raises(CheckpointNotFoundError):  # StepNotCommittedError once the step's zarr.json is there
