@@ -75,7 +75,7 @@ class Repository:
              create: bool = False) -> Repository:
         repo = cls(open_store(path, storage_options))
         try:
-            raw = repo._read_doc("zarr.json")
+            raw = repo.read_document("zarr.json")
         except (FileNotFoundError, NotADirectoryError):
             if not create:
                 raise CheckpointNotFoundError(f"no ucl repository at {repo.store.url} (zarr.json is missing)",
@@ -120,7 +120,7 @@ class Repository:
         check_step(step)
         key = commit_key(step)
         try:
-            raw = self._read_doc(key)
+            raw = self.read_document(key)
         except LimitExceededError as e:
             raise CorruptCommitRecordError(f"commit record {self.url}/{key} is unreadable: {e.message}",
                                            file=key) from None
@@ -131,13 +131,10 @@ class Repository:
             raise CheckpointNotFoundError(f"step {step} does not exist in {self.url}", file=key) from None
         return CommitRecord.from_bytes(raw, f"{self.url}/{key}", step)
 
-    def _read_doc(self, key: str) -> bytes:
-        """A metadata document that no record sizes: refused unread when larger than the spec's limit."""
-        size = self.store.size(key)
-        if size is not None and size > metadata.MAX_DOC_BYTES:
-            raise LimitExceededError(f"{key} is {size} bytes, more than the limit of {metadata.MAX_DOC_BYTES}",
-                                     file=key)
-        return self.store.read(key)
+    def read_document(self, key: str) -> bytes:
+        """A metadata document that no record sizes: refused unread when larger than the spec's limit
+        (spec/core.md §8.4), never more than the limit read; NotAFileError when it is not a regular file."""
+        return self.store.read_bounded(key, metadata.MAX_DOC_BYTES)
 
     def read_verified(self, step: int, rel: str, record: CommitRecord, *, n_inner: int | None = None) -> bytes:
         """A file of a committed step, checked against its commit record: size, and the crc32c of a
@@ -152,9 +149,12 @@ class Repository:
         if actual != size:
             raise ShardSizeError(f"{key} is {actual} bytes, the commit record says {size}", file=key)
         try:
-            data = self.store.read(key)
+            data = self.store.read_bounded(key, size)  # never more than the record says: a file may grow
         except (FileNotFoundError, NotADirectoryError):
             raise MissingShardError(f"{key} is missing", file=key) from None
+        except LimitExceededError:
+            raise ShardSizeError(f"{key} is larger than the {size} bytes the commit record says",
+                                 file=key) from None
         if len(data) != size:
             raise ShardSizeError(f"{key} is {len(data)} bytes, the commit record says {size}", file=key)
         if n_inner is not None:

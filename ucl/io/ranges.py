@@ -10,21 +10,82 @@ destinations (:meth:`RangeReader.readinto`, vectored). Short reads are retried u
 
 A filesystem that refuses O_DIRECT (tmpfs, some FUSE; or a device wanting more than 4 KiB alignment)
 is remembered by the reader, which then reads buffered.
+
+Every local file ucl reads is opened by :func:`open_regular`: a FIFO, a device node, a socket or a
+directory where a document or shard should be is refused (``NotAFileError``) before a byte is read, and
+opening it never blocks (spec/core.md §8.4).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+import stat
 from collections.abc import Sequence
 
 import numpy as np
 
+from ucl.errors import NotAFileError
 from ucl.io.buffers import BufferPool, shared_pool
 from ucl.io.pagecache import mostly_cached
 
 ALIGN = 4096  # O_DIRECT offsets, lengths and buffer addresses (512 B works here; 4 KiB everywhere)
 IOV_MAX = 1024
+
+
+_OPEN_FLAGS = os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+# errors of open(2) that mean "absent": the callers' FileNotFoundError / NotADirectoryError handling
+_ABSENT = (errno.ENOENT, errno.ENOTDIR)
+
+
+def file_kind(mode: int) -> str:
+    """What a st_mode is, in words ("a FIFO")."""
+    kinds = [(stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISCHR, "a device node"), (stat.S_ISBLK, "a device node"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISLNK, "a symbolic link")]
+    return next((what for test, what in kinds if test(mode)), "a special file")
+
+
+def not_a_file(path: str, mode: int, name: str | None = None) -> NotAFileError:
+    return NotAFileError(f"{path} is {file_kind(mode)}, not a regular file: refused unread",
+                         file=name or path)
+
+
+def open_regular(path: str, flags: int = os.O_RDONLY, name: str | None = None) -> tuple[int, os.stat_result]:
+    """Open ``path`` (``flags``: O_RDONLY, optionally O_DIRECT) if it is a regular file: ``(fd, fstat)``.
+
+    Opened with O_NONBLOCK, so that opening a FIFO never waits for a writer, and checked with fstat on the
+    opened descriptor (no window between check and open); O_NONBLOCK is cleared again before the caller
+    reads. Anything else (FIFO, device, socket, directory) raises :class:`NotAFileError` naming ``name``
+    (the key; default the path). A symlink loop raises it too. A missing file raises FileNotFoundError /
+    NotADirectoryError as os.open does, other errors (EINVAL: no O_DIRECT here) as OSError.
+    """
+    try:
+        fd = os.open(path, flags | _OPEN_FLAGS)
+    except OSError as e:
+        if e.errno in _ABSENT:
+            raise
+        # a device that cannot be opened (ENXIO, ENODEV, EPERM), O_DIRECT on a FIFO (EINVAL), a socket, a loop
+        try:
+            st = os.stat(path)
+        except OSError as e2:
+            if e2.errno == errno.ELOOP:
+                raise NotAFileError(f"{path} is a symbolic link loop, not a regular file",
+                                    file=name or path) from None
+            raise e from None
+        if not stat.S_ISREG(st.st_mode):
+            raise not_a_file(path, st.st_mode, name) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise not_a_file(path, st.st_mode, name)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)  # sets the status flags only (O_DIRECT kept)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
 
 
 def preadv_all(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
@@ -105,7 +166,8 @@ class RangeReader:
         ``buffer_bytes``: an O_DIRECT read takes a buffer of at least this size, so that reads of varying
         lengths reuse the same few buffers instead of keeping one of each size class resident.
 
-        Raises FileNotFoundError / NotADirectoryError for a missing file, OSError for I/O errors.
+        Raises FileNotFoundError / NotADirectoryError for a missing file, NotAFileError for anything
+        but a regular file (:func:`open_regular`), OSError for I/O errors.
         """
         if self.direct and length >= self.direct_min_bytes:
             lease = self._read_direct(path, offset, length, buffer_bytes)
@@ -113,14 +175,15 @@ class RangeReader:
                 return lease
         elif direct_only:
             return None
-        buf = self.pool.get(length)
-        mv = memoryview(buf)[:length]  # type: ignore[arg-type]
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd, _ = open_regular(path)
         try:
-            got = preadv_all(fd, [mv], offset)
-        except BaseException:
-            self.pool.put(buf)
-            raise
+            buf = self.pool.get(length)
+            mv = memoryview(buf)[:length]  # type: ignore[arg-type]
+            try:
+                got = preadv_all(fd, [mv], offset)
+            except BaseException:
+                self.pool.put(buf)
+                raise
         finally:
             os.close(fd)
         return Lease(mv[:got], buf, self.pool)
@@ -128,7 +191,7 @@ class RangeReader:
     def readinto(self, path: str, offset: int, buffers: Sequence[memoryview]) -> int:
         """Buffered, vectored: fill ``buffers`` in order from ``offset``; the bytes read (fewer only at the
         end of the file)."""
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd, _ = open_regular(path)
         try:
             return preadv_all(fd, buffers, offset)
         finally:
@@ -138,9 +201,9 @@ class RangeReader:
         """The range with O_DIRECT, or None: mostly cached (a buffered read is faster then), or no
         O_DIRECT on this filesystem (remembered)."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+            fd, _ = open_regular(path, os.O_RDONLY | os.O_DIRECT)
         except OSError as e:
-            if e.errno == errno.EINVAL:  # no O_DIRECT here
+            if e.errno == errno.EINVAL:  # no O_DIRECT here (a FIFO says EINVAL too: open_regular refused it)
                 self.direct = False
                 return None
             raise

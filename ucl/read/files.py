@@ -3,7 +3,8 @@
 :class:`StepFiles` finds a shard in the commit record, reads and checks its index (cached), reads byte
 ranges through the one :class:`~ucl.io.ranges.RangeReader` (local files) or the store, and counts the
 bytes read. The errors of reading shards are made here, so that every reader names a missing, truncated
-or corrupt shard the same way.
+or corrupt shard the same way. Local files are opened by :func:`ucl.io.ranges.open_regular` only: a
+FIFO, device or directory where a shard should be is ``NotAFileError``, never read.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ucl.errors import ChecksumError, CorruptShardIndexError, MissingShardError, ShardSizeError
+from ucl.errors import ChecksumError, CorruptShardIndexError, MissingShardError, NotAFileError, ShardSizeError
 from ucl.format.metadata import ArrayMeta, CommitRecord
 from ucl.format.repository import step_prefix
 from ucl.format.shardfile import index_nbytes, parse_index
-from ucl.io.ranges import ALIGN, Lease, RangeReader
+from ucl.io.ranges import ALIGN, Lease, RangeReader, open_regular
 from ucl.io.stores.base import Store
 from ucl.options import DEFAULT_READ, ReadOptions
 
@@ -124,6 +125,8 @@ class StepFiles:
             raw = self._pread(key, size - n, n)
         except (FileNotFoundError, NotADirectoryError):
             raise missing(key, meta.name) from None
+        except NotAFileError as e:
+            raise not_a_file(e, key, meta.name) from None
         self.count(len(raw))
         idx = parse_index(meta, raw, size, key)
         self.indexes[(meta.name, coords)] = idx
@@ -141,6 +144,8 @@ class StepFiles:
             got = self.read(key, 0, size)
         except (FileNotFoundError, NotADirectoryError):
             raise missing(key, meta.name) from None
+        except NotAFileError as e:
+            raise not_a_file(e, key, meta.name) from None
         view = got.view if isinstance(got, Lease) else got
         try:  # a copy of the index: the buffer is reused later
             idx = parse_index(meta, bytes(view[size - n :]), size, key)
@@ -156,7 +161,7 @@ class StepFiles:
         path = self.local_path(key)
         if path is None:
             return self.store.read_range(key, offset, length)
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd, _ = open_regular(path, name=key)
         try:
             return os.pread(fd, length, offset)
         finally:
@@ -174,6 +179,10 @@ def step_files(store: Store, step: int, record: CommitRecord, options: ReadOptio
 # -- the errors of reading shards, one wording for every reader --------------------------------------
 def missing(key: str, name: str) -> MissingShardError:
     return MissingShardError(f"shard {key} of tensor {name!r} is missing", tensor=name, file=key)
+
+
+def not_a_file(e: NotAFileError, key: str, name: str) -> NotAFileError:
+    return NotAFileError(f"shard {key} of tensor {name!r}: {e.message}", tensor=name, file=key)
 
 
 def truncated(key: str, name: str, got: int | None = None, want: int | None = None,

@@ -15,6 +15,11 @@ must make sure no writer runs.
 
 A compaction journal (``compact/<N>.json``) stops gc from touching anything of step N: run
 ``compact`` again to finish it.
+
+gc never touches anything outside the repository (spec/core.md §3, item 2): on local filesystems a
+directory it would list or walk that resolves through a symlink outside the root fails the whole run
+with ``invalid_name`` before anything is deleted; a symlink it deletes is removed itself, never
+followed.
 """
 
 from __future__ import annotations
@@ -140,8 +145,8 @@ def gc(path: Any, *, dry_run: bool = False, grace: float = DEFAULT_GRACE_S,
             if not dry_run:
                 store.delete(f.key)
         if not dry_run and isinstance(store, LocalStore):
-            for top in _OWNED:
-                _remove_empty_dirs(store.path(top), keep_root=True)
+            for top in _OWNED:  # checked: a directory that resolves outside the root is refused, never walked
+                _remove_empty_dirs(store.local_path(top), keep_root=True)
     finally:
         if lock is not None:
             lock.release()
@@ -149,6 +154,7 @@ def gc(path: Any, *, dry_run: bool = False, grace: float = DEFAULT_GRACE_S,
 
 
 def _remove_empty_dirs(root: str, keep_root: bool) -> None:
+    # os.walk never enters a symlinked directory below root (followlinks=False); rmdir never follows one
     for dirpath, _, _ in sorted(os.walk(root), key=lambda w: len(w[0]), reverse=True):
         if keep_root and dirpath == root:
             continue

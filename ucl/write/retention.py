@@ -37,7 +37,10 @@ class Retention:
     def delete_steps(self, steps: list[int]) -> None:
         """Remove steps so that at every instant every listed step is readable: the commit records first,
         newest first (a delta child disappears before the base it reads), then the files. A kill between
-        two deletions leaves only whole, readable steps listed (and files gc removes)."""
+        two deletions leaves only whole, readable steps listed (and files gc removes). Every deletion goes
+        through the store, which never follows a symlink out of the repository (spec/core.md §3, item 2):
+        a step directory that is a symlink is unlinked, one below a directory that resolves outside is
+        refused."""
         for s in sorted(steps, reverse=True):
             self.repo.store.delete(commit_key(s))
         for s in sorted(steps):

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ucl.errors import InvalidArgumentError, InvalidNameError
+from ucl.errors import InvalidArgumentError, InvalidNameError, LimitExceededError
 
 Buffer = Any  # anything with the buffer protocol: bytes, memoryview, numpy array
 
@@ -55,9 +55,27 @@ class Store(ABC):
         repository), else None. Readers of local files go through :class:`ucl.io.ranges.RangeReader`."""
         return None
 
+    def write_path(self, key: str) -> str | None:
+        """The file a writer that opens files itself (the C FileWriter) writes ``key`` to, on a local
+        filesystem: checked like :meth:`local_path`, its directory created inside the repository. None for
+        other stores."""
+        return None
+
     @abstractmethod
     def read(self, key: str) -> bytes:
         """The whole object; FileNotFoundError when absent."""
+
+    def read_bounded(self, key: str, limit: int) -> bytes:
+        """The whole object, refused (LimitExceededError) when it is larger than ``limit`` bytes: before it
+        is read where the size is known (a document's limit, a file's size in its commit record, spec/core.md
+        §8.4). Backends that can also bound the read itself override this (LocalStore)."""
+        size = self.size(key)
+        if size is not None and size > limit:
+            raise LimitExceededError(f"{key} is {size} bytes, more than the limit of {limit}", file=key)
+        data = self.read(key)
+        if len(data) > limit:
+            raise LimitExceededError(f"{key} is {len(data)} bytes, more than the limit of {limit}", file=key)
+        return data
 
     @abstractmethod
     def read_range(self, key: str, offset: int, length: int) -> bytes:
@@ -74,7 +92,8 @@ class Store(ABC):
 
     @abstractmethod
     def size(self, key: str) -> int | None:
-        """Size of the object, or None when absent."""
+        """Size of the object, or None when absent (a local store: NotAFileError when something that is not
+        a regular file is there)."""
 
     @abstractmethod
     def list_dir(self, prefix: str) -> list[str]:
@@ -108,6 +127,9 @@ class Store(ABC):
         modification time, for maintenance tools (gc, compact). Backends that cannot list raise."""
         raise InvalidArgumentError(f"cannot list {self.url}: the backend has no filesystem listing")
         yield  # pragma: no cover  (a generator)
+
+    def makedirs(self, prefix: str) -> None:  # noqa: B027 - object stores: nothing to do
+        """Create the directory ``prefix`` (object stores have none: nothing to do)."""
 
     def sync_dir(self, prefix: str) -> None:
         """Make directory entries under ``prefix`` durable (object stores need nothing)."""

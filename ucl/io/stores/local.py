@@ -1,17 +1,23 @@
-"""Local filesystem backend: positional reads (preadv, GIL released), durable writes, atomic rename."""
+"""Local filesystem backend: positional reads (preadv, GIL released), durable writes, atomic rename; every
+path contained in the root, every read of a regular file only."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import fcntl
 import os
 import shutil
+import stat
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ucl.errors import InvalidNameError, WriteError
+from ucl.errors import InvalidNameError, LimitExceededError, NotAFileError, WriteError
 from ucl.io import native as _native
-from ucl.io.ranges import preadv_all
+from ucl.io.ranges import file_kind as _kind
+from ucl.io.ranges import not_a_file, open_regular, preadv_all
 from ucl.io.stores.base import Buffer, FileInfo, Store, check_key
 
 
@@ -34,7 +40,12 @@ HAS_SYNCFS = _syncfs is not None
 class LocalStore(Store):
     """A repository in a local directory.
 
-    Every path is resolved under the root and refused if, through a symlink, it would leave it.
+    Containment (spec/core.md §3, item 2): every path, read or written, is resolved under the root and
+    refused (``InvalidNameError``) if through a symlink it would leave it, or if it is a symlink loop. A
+    path that is deleted may itself be a symlink (the link is removed, never followed); its directory may
+    not leave the root. Reads open regular files only (:func:`ucl.io.ranges.open_regular`: a FIFO, device or
+    directory is ``NotAFileError``, and opening never blocks). Creating files and directories fails with
+    ``WriteError`` naming the path (a full disk, no inodes left, a file where a directory should be).
     """
 
     def __init__(self, root: str) -> None:
@@ -47,43 +58,165 @@ class LocalStore(Store):
         return True
 
     def path(self, key: str) -> str:
+        """The path of ``key`` under the root, not resolved: callers that open it use :meth:`local_path`."""
         return os.path.join(self.root, *check_key(key).split("/"))
 
     def local_path(self, key: str) -> str:
         return self._checked(key)
 
-    def _checked(self, key: str) -> str:
-        p = self.path(key)
-        real = os.path.realpath(p)
-        if real != self._real_root and not real.startswith(self._real_root + os.sep):
-            raise InvalidNameError(f"{key!r} resolves to {real}, outside the repository {self.root}", file=key)
+    def write_path(self, key: str) -> str:
+        """The path of ``key`` for a writer that opens it itself (the C FileWriter): checked like every
+        path, its directory created inside the root, not a FIFO or device (an open would block)."""
+        p = self._checked(key)
+        self._makedirs(os.path.dirname(p))
+        try:
+            st = os.stat(p)
+        except (FileNotFoundError, NotADirectoryError):
+            return p
+        except OSError as e:
+            raise _write_error(e, p, 0) from e
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(p, st.st_mode)
         return p
 
+    # -- containment ---------------------------------------------------------------------------------
+    def _contained(self, p: str, key: str) -> None:
+        """Refuse ``p`` (the path of ``key`` or its directory) when it resolves outside the root."""
+        real = os.path.realpath(p)
+        if real != self._real_root and not real.startswith(self._real_root + os.sep):
+            raise InvalidNameError(f"{key!r} resolves to {real}, outside the repository {self.root}",
+                                   file=key)
+        # realpath leaves a symlink loop unresolved: the result is the loop itself, or a path through it
+        try:
+            looped = stat.S_ISLNK(os.lstat(real).st_mode)
+        except OSError as e:
+            looped = e.errno == errno.ELOOP
+        if looped:
+            raise InvalidNameError(f"{key!r} does not resolve: a symbolic link loop at {real}", file=key)
+
+    def _checked(self, key: str) -> str:
+        """The path of ``key``, which must resolve (symlinks followed) inside the root."""
+        p = self.path(key)
+        self._contained(p, key)
+        return p
+
+    def _checked_parent(self, key: str) -> str:
+        """The path of ``key``, whose directory must resolve inside the root; ``key`` itself may be a symlink
+        (for deleting: the link is removed, never followed)."""
+        p = self.path(key)
+        self._contained(os.path.dirname(p), key)
+        return p
+
+    # -- reading -------------------------------------------------------------------------------------
+    def _open(self, key: str) -> tuple[int, os.stat_result]:
+        return open_regular(self._checked(key), name=key)
+
     def read(self, key: str) -> bytes:
-        with open(self._checked(key), "rb") as f:
-            return f.read()
+        fd, _ = self._open(key)
+        with open(fd, "rb", buffering=0) as f:  # closes fd
+            return f.readall()
+
+    def read_bounded(self, key: str, limit: int) -> bytes:
+        """The whole file, refused unread (LimitExceededError) when its size exceeds ``limit``; never more
+        than ``limit + 1`` bytes are read, even from a file that grows."""
+        fd, st = self._open(key)
+        try:
+            if st.st_size > limit:
+                raise _too_large(key, st.st_size, limit)
+            data = _read_upto(fd, min(st.st_size, limit) + 1)
+        finally:
+            os.close(fd)
+        if len(data) > limit:
+            raise _too_large(key, len(data), limit)
+        return data
 
     def read_range(self, key: str, offset: int, length: int) -> bytes:
-        fd = os.open(self._checked(key), os.O_RDONLY)
+        fd, _ = self._open(key)
         try:
             return os.pread(fd, length, offset)
         finally:
             os.close(fd)
 
     def readinto(self, key: str, offset: int, buffers: Sequence[memoryview]) -> int:
-        fd = os.open(self._checked(key), os.O_RDONLY)
+        fd, _ = self._open(key)
         try:
             return preadv_all(fd, list(buffers), offset)
         finally:
             os.close(fd)
 
+    def size(self, key: str) -> int | None:
+        """The size of a regular file, None when absent; NotAFileError for a FIFO, device or directory."""
+        p = self._checked(key)
+        try:
+            st = os.stat(p)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            raise not_a_file(p, st.st_mode, key)
+        return st.st_size
+
+    def exists(self, key: str) -> bool:
+        """Whether anything is at ``key``: also a FIFO, device or directory (present; refused when read)."""
+        try:
+            os.stat(self._checked(key))
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return True
+
+    def list_dir(self, prefix: str) -> list[str]:
+        """The names in directory ``prefix`` ([] when absent); NotAFileError when something that is not a
+        directory is there (a FIFO where ``commits/`` should be would hide every step)."""
+        p = self._checked(prefix) if prefix else self.root
+        try:
+            return sorted(os.listdir(p))
+        except (FileNotFoundError, NotADirectoryError) as e:
+            try:
+                st = os.stat(p)
+            except OSError:
+                return []
+            if isinstance(e, NotADirectoryError) and not stat.S_ISDIR(st.st_mode):
+                raise NotAFileError(f"{p} is {_kind(st.st_mode)}, not a directory", file=prefix) from None
+            return []
+
+    def walk(self, prefix: str) -> Iterator[FileInfo]:
+        """Every file under ``prefix`` (which must resolve inside the root), never following a symlink:
+        a symlink, FIFO or device is reported as a file itself (lstat), a symlinked directory below
+        ``prefix`` is not entered."""
+        root = self._checked(prefix)
+        try:
+            st = os.lstat(root)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            yield FileInfo(prefix, st.st_size, st.st_mtime)
+            return
+        for dirpath, _, filenames in os.walk(root):  # followlinks=False
+            for f in filenames:
+                p = os.path.join(dirpath, f)
+                try:
+                    st = os.lstat(p)
+                except FileNotFoundError:
+                    continue
+                yield FileInfo(os.path.relpath(p, self.root).replace(os.sep, "/"), st.st_size, st.st_mtime)
+
+    # -- writing -------------------------------------------------------------------------------------
+    def makedirs(self, prefix: str) -> None:
+        """Create the directory ``prefix`` and its parents, inside the root."""
+        self._makedirs(self._checked(prefix))
+
+    def _makedirs(self, d: str) -> None:
+        try:
+            os.makedirs(d, exist_ok=True)
+        except OSError as e:  # ENOSPC / EDQUOT (no inodes), ENOTDIR, EEXIST (a file is there), EACCES
+            raise _write_error(e, d, 0, "creating the directory") from e
+
     def write(self, key: str, buffers: Sequence[Buffer], *, durable: bool = True) -> tuple[int, int]:
-        p = self.path(key)
-        os.makedirs(os.path.dirname(p), exist_ok=True)
+        p = self._checked(key)
+        self._makedirs(os.path.dirname(p))
         crc = 0
         size = 0
         try:
-            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = _create(p, os.O_TRUNC)
             try:
                 for b in buffers:
                     mv = memoryview(b).cast("B")
@@ -96,70 +229,61 @@ class LocalStore(Store):
                     os.fdatasync(fd)
             finally:
                 os.close(fd)
+        except WriteError:
+            raise
         except OSError as e:
             raise _write_error(e, p, size) from e
         return size, crc
 
     def write_atomic(self, key: str, data: bytes) -> None:
-        p = self.path(key)
+        p = self._checked(key)
         d = os.path.dirname(p)
-        os.makedirs(d, exist_ok=True)
-        tmp = f"{p}.tmp-{os.getpid()}"
+        self._makedirs(d)
+        tmp = f"{p}.tmp-{os.getpid()}-{threading.get_native_id()}"  # two threads may write one key at once
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fdatasync(f.fileno())
+            fd = _create(tmp, os.O_TRUNC | os.O_NOFOLLOW)  # never through a symlink planted at the name
+            try:
+                mv = memoryview(data).cast("B")
+                while mv.nbytes:
+                    mv = mv[os.write(fd, mv):]
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, p)
             fsync_dir(d)
         except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)  # never follows: a symlink planted at the name goes, not its target
+            if isinstance(e, WriteError):
+                raise
             raise _write_error(e, p, 0) from e
 
-    def size(self, key: str) -> int | None:
-        try:
-            p = self._checked(key)
-            return os.stat(p).st_size if os.path.isfile(p) else None
-        except FileNotFoundError:
-            return None
-
-    def list_dir(self, prefix: str) -> list[str]:
-        p = self._checked(prefix) if prefix else self.root
-        try:
-            return sorted(os.listdir(p))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-
     def delete_prefix(self, prefix: str) -> None:
-        p = self.path(prefix)
-        if os.path.isdir(p) and not os.path.islink(p):
+        p = self._checked_parent(prefix)
+        try:
+            st = os.lstat(p)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        if stat.S_ISDIR(st.st_mode):  # a real directory (not a symlink to one): rmtree never follows links
             shutil.rmtree(p, ignore_errors=True)
         else:
             self.delete(prefix)
 
     def delete(self, key: str) -> None:
+        p = self._checked_parent(key)
         try:
-            os.unlink(self.path(key))
-        except FileNotFoundError:
+            os.unlink(p)  # a symlink: the link itself
+        except (FileNotFoundError, NotADirectoryError):
             pass
-
-    def walk(self, prefix: str) -> Iterator[FileInfo]:
-        root = self.path(prefix)
-        if os.path.isfile(root) or os.path.islink(root):
-            st = os.lstat(root)
-            yield FileInfo(prefix, st.st_size, st.st_mtime)
-            return
-        for dirpath, _, filenames in os.walk(root):
-            for f in filenames:
-                p = os.path.join(dirpath, f)
-                st = os.lstat(p)
-                yield FileInfo(os.path.relpath(p, self.root).replace(os.sep, "/"), st.st_size, st.st_mtime)
+        except OSError as e:  # a directory where a file should be (EISDIR), permissions
+            raise _write_error(e, p, 0, "deleting") from e
 
     def sync_dir(self, prefix: str) -> None:
-        fsync_dir(self.path(prefix) if prefix else self.root)
+        p = self._checked(prefix) if prefix else self.root
+        try:
+            fsync_dir(p)
+        except OSError as e:
+            raise _write_error(e, p, 0, "syncing the directory") from e
 
     def sync_all(self) -> bool:
         """Make everything written to this filesystem durable with one syncfs(2): data, inodes and
@@ -177,6 +301,46 @@ class LocalStore(Store):
         return True
 
 
+def _create(path: str, flags: int) -> int:
+    """Open ``path`` for writing, created if absent; a FIFO, device or directory there is refused without
+    blocking (O_NONBLOCK: a FIFO without a reader fails with ENXIO instead of waiting for one)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC | flags, 0o644)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(path, st.st_mode)
+        fcntl.fcntl(fd, fcntl.F_SETFL, 0)  # O_NONBLOCK off again
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_upto(fd: int, n: int) -> bytes:
+    """At most ``n`` bytes from the file's offset (fewer only at its end)."""
+    first = os.read(fd, n)
+    if len(first) == n or not first:
+        return first
+    parts, got = [first], len(first)
+    while got < n:
+        b = os.read(fd, n - got)
+        if not b:
+            break
+        parts.append(b)
+        got += len(b)
+    return b"".join(parts)
+
+
+def _too_large(key: str, size: int, limit: int) -> LimitExceededError:
+    return LimitExceededError(f"{key} is {size} bytes, more than the limit of {limit}", file=key)
+
+
+def _not_regular(path: str, mode: int) -> WriteError:
+    err = WriteError(f"{path} is {_kind(mode)}, not a regular file: not written", file=path)
+    err.filename = path
+    return err
+
+
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -185,8 +349,9 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_error(e: OSError, path: str, offset: int) -> WriteError:
-    err = WriteError(f"{os.strerror(e.errno or errno.EIO)} while writing {path} at offset {offset}", file=path)
+def _write_error(e: OSError, path: str, offset: int, what: str = "") -> WriteError:
+    where = f"{what} {path}" if what else f"writing {path} at offset {offset}"
+    err = WriteError(f"{os.strerror(e.errno or errno.EIO)} while {where}", file=path)
     err.errno = e.errno
     err.filename = path
     return err
