@@ -82,6 +82,7 @@ def finish(repo: Repository, step: int, hook: Callable[[str], None] | None = Non
                 "record it replaces is still committed; remove the journal to keep the step as it is", file=key)
         if staged:
             store.delete(commit_key(step))
+            store.sync_dir("commits")  # the record's removal is durable before any file of the step goes
             hook("uncommitted")
             store.delete_prefix(step_prefix(step))
             hook("removed")
