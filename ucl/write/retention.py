@@ -43,6 +43,8 @@ class Retention:
         refused."""
         for s in sorted(steps, reverse=True):
             self.repo.store.delete(commit_key(s))
+        if steps:  # the removals durable before any file goes: a power cut never revives a record without files
+            self.repo.store.sync_dir("commits")
         for s in sorted(steps):
             self.repo.store.delete_prefix(step_prefix(s))
 

@@ -52,6 +52,11 @@ class LocalStore(Store):
         self.root = os.path.abspath(root)
         self.url = self.root
         self._real_root = os.path.realpath(self.root)
+        # Directories this store created an entry in (a file, a directory) that is not durable yet. Every
+        # commit point (write_atomic) makes them durable first, so that nothing a commit record names
+        # can vanish in a power cut (spec/core.md §7, item 2c); sync_dir and sync_all clear them.
+        self._dirty: set[str] = set()
+        self._dirty_lock = threading.Lock()
 
     @property
     def is_local(self) -> bool:
@@ -69,6 +74,7 @@ class LocalStore(Store):
         path, its directory created inside the root, not a FIFO or device (an open would block)."""
         p = self._checked(key)
         self._makedirs(os.path.dirname(p))
+        self._entry_in(os.path.dirname(p))  # the writer creates the file
         try:
             st = os.stat(p)
         except (FileNotFoundError, NotADirectoryError):
@@ -205,10 +211,41 @@ class LocalStore(Store):
         self._makedirs(self._checked(prefix))
 
     def _makedirs(self, d: str) -> None:
+        if os.path.isdir(d):
+            return
+        missing = []  # the directories this call creates, deepest first
+        q = d
+        while not os.path.isdir(q) and os.path.dirname(q) != q:
+            missing.append(q)
+            q = os.path.dirname(q)
         try:
             os.makedirs(d, exist_ok=True)
         except OSError as e:  # ENOSPC / EDQUOT (no inodes), ENOTDIR, EEXIST (a file is there), EACCES
             raise _write_error(e, d, 0, "creating the directory") from e
+        for m in missing:  # each new directory is an entry in its parent (a new repository's: outside it)
+            self._entry_in(os.path.dirname(m))
+
+    def _entry_in(self, d: str) -> None:
+        with self._dirty_lock:
+            self._dirty.add(d)
+
+    def _synced(self, dirs: set[str] | str) -> None:
+        with self._dirty_lock:
+            self._dirty -= {dirs} if isinstance(dirs, str) else dirs
+
+    def sync_created(self, *, but: str | None = None) -> None:
+        """fsync every directory this store created entries in since they were last made durable (all but
+        ``but``, which the caller syncs itself)."""
+        with self._dirty_lock:
+            dirs = sorted(self._dirty - {but}, key=len, reverse=True)
+        for d in dirs:
+            try:
+                fsync_dir(d)
+            except FileNotFoundError:  # removed since (a staging directory moved into place)
+                pass
+            except OSError as e:
+                raise _write_error(e, d, 0, "syncing the directory") from e
+        self._synced(set(dirs))
 
     def write(self, key: str, buffers: Sequence[Buffer], *, durable: bool = True) -> tuple[int, int]:
         p = self._checked(key)
@@ -217,6 +254,7 @@ class LocalStore(Store):
         size = 0
         try:
             fd = _create(p, os.O_TRUNC)
+            self._entry_in(os.path.dirname(p))
             try:
                 for b in buffers:
                     mv = memoryview(b).cast("B")
@@ -249,8 +287,10 @@ class LocalStore(Store):
                 os.fdatasync(fd)
             finally:
                 os.close(fd)
+            self.sync_created()  # a commit point: everything created before it durable first
             os.replace(tmp, p)
             fsync_dir(d)
+            self._synced(d)
         except OSError as e:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)  # never follows: a symlink planted at the name goes, not its target
@@ -284,6 +324,7 @@ class LocalStore(Store):
             fsync_dir(p)
         except OSError as e:
             raise _write_error(e, p, 0, "syncing the directory") from e
+        self._synced(p)
 
     def sync_all(self) -> bool:
         """Make everything written to this filesystem durable with one syncfs(2): data, inodes and
@@ -291,6 +332,8 @@ class LocalStore(Store):
         Returns False where syncfs is unavailable (the caller then syncs file by file)."""
         if _syncfs is None:
             return False
+        with self._dirty_lock:
+            dirs = set(self._dirty)  # what syncfs covers: entries made before it
         fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
         try:
             if _syncfs(fd) != 0:
@@ -298,6 +341,8 @@ class LocalStore(Store):
                 raise _write_error(OSError(err, os.strerror(err)), self.root, 0)
         finally:
             os.close(fd)
+        # a new repository's own entry is in its parent, maybe on another filesystem than syncfs covered
+        self._synced({d for d in dirs if d == self._real_root or d.startswith(self.root)})
         return True
 
 
