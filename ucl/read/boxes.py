@@ -32,7 +32,7 @@ from ucl.io import native as _native
 from ucl.io.prefault import Prefaulter
 from ucl.options import DEFAULT_READ, ReadOptions
 from ucl.read.chunks import ChunkRead, Request, WholeShard, covers, plan_request, segments, shards_of
-from ucl.read.files import StepFiles, missing, truncated
+from ucl.read.files import StepFiles, truncated
 
 _CRC = struct.Struct("<I")
 
@@ -77,7 +77,7 @@ def _execute(files: StepFiles, group: list[ChunkRead]) -> None:
     try:
         lease = files.read_direct(c0.key, c0.offset, want)
     except (FileNotFoundError, NotADirectoryError):
-        raise missing(c0.key, c0.meta.name) from None
+        raise files.missing(c0.key, c0.meta.name) from None
     if lease is not None:
         try:
             if lease.view.nbytes < want:
@@ -93,7 +93,7 @@ def _execute(files: StepFiles, group: list[ChunkRead]) -> None:
     try:
         got = files.readinto(c0.key, c0.offset, bufs)
     except (FileNotFoundError, NotADirectoryError):
-        raise missing(c0.key, c0.meta.name) from None
+        raise files.missing(c0.key, c0.meta.name) from None
     if got != want:
         raise truncated(c0.key, c0.meta.name, got, want, c0.offset)
     for c in group:

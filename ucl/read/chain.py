@@ -67,7 +67,7 @@ from ucl.io.prefault import Prefaulter
 from ucl.io.ranges import Lease
 from ucl.options import DEFAULT_READ, ReadOptions
 from ucl.read.chunks import Request, covers, shards_of
-from ucl.read.files import StepFiles, absent, missing, truncated
+from ucl.read.files import StepFiles, absent, truncated
 
 _CRC = struct.Struct("<I")
 
@@ -163,7 +163,7 @@ class ChainReader:
         try:
             raw = files.store.read_range(key, off, nb)
         except (FileNotFoundError, NotADirectoryError):
-            raise missing(key, name) from None
+            raise files.missing(key, name) from None
         files.count(len(raw))
         if len(raw) != nb:
             raise truncated(key, name)
@@ -269,7 +269,7 @@ class ChainReader:
             got = self._pread(files, key, start, end - start, f)
         except (FileNotFoundError, NotADirectoryError):
             for _, _, ordinal in seg:
-                f.results[ordinal] = missing(key, arr.name)
+                f.results[ordinal] = files.missing(key, arr.name)
             return
         except Exception as e:  # noqa: BLE001 - an I/O error: what reading each of these chunks raises
             for _, _, ordinal in seg:

@@ -23,6 +23,9 @@ from ucl.delta.gradients import replay_records
 from ucl.errors import (
     CheckpointNotFoundError,
     DeltaChainError,
+    IntegrityError,
+    StepRemovedError,
+    UCLError,
     InconsistentMetadataError,
     InvalidArgumentError,
     MissingShardError,
@@ -254,9 +257,28 @@ class Checkpoint:
         for coords in itertools.product(*ranges):
             self._files.shard(meta, coords)
 
+    def _unless_removed(self, e: UCLError) -> None:
+        """Raise ``step_removed`` instead of ``e`` (a missing or corrupt file, a chain that no longer
+        resolves) when a step this read uses was deleted or rewritten since it was opened."""
+        if isinstance(e, StepRemovedError) or not isinstance(e, IntegrityError | DeltaChainError |
+                                                                CheckpointNotFoundError):
+            return
+        for files in [f for _, f in list(self._chain_steps.values())]:
+            gone = files.removed(f"[{e.code}] {e.message}")
+            if gone is not None:
+                gone.tensor = e.tensor
+                raise gone from e
+
     def read_requests(self, requests: list[Request]) -> None:
         """Fill each request's ``out`` (a box of a stored array) from the step: plain arrays through
         :func:`ucl.read.boxes.read`, delta-encoded ones through the step's chain, as one pipeline."""
+        try:
+            self._read_requests(requests)
+        except UCLError as e:
+            self._unless_removed(e)
+            raise
+
+    def _read_requests(self, requests: list[Request]) -> None:
         plain = [r for r in requests if r.meta.delta is None]
         chained = [r for r in requests if r.meta.delta is not None]
         if self._pool is None and sum(r.meta.nbytes for r in plain) > 8 << 20:
@@ -340,6 +362,13 @@ class Checkpoint:
         straight into it; others (and partial sums) go through a temporary. Each batch holds at most
         ``buffer_bytes`` (default ``options.fill_buffer_bytes``) of temporaries and estimated decode scratch; larger
         boxes are split. Ops are applied in order (a partial sum's contribution 0 before the others)."""
+        try:
+            self._fill(ops, buffer_bytes)
+        except UCLError as e:
+            self._unless_removed(e)
+            raise
+
+    def _fill(self, ops: list[BoxCopy], buffer_bytes: int | None) -> None:
         budget = self.options.fill_buffer_bytes if buffer_bytes is None else max(1, buffer_bytes)
         batch: list[Request] = []
         post: list[tuple[torch.Tensor, torch.Tensor, bool]] = []

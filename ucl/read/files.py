@@ -16,9 +16,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ucl.errors import ChecksumError, CorruptShardIndexError, MissingShardError, NotAFileError, ShardSizeError
+from ucl.errors import (
+    ChecksumError,
+    CorruptShardIndexError,
+    MissingShardError,
+    NotAFileError,
+    ShardSizeError,
+    StepRemovedError,
+    UCLError,
+)
 from ucl.format.metadata import ArrayMeta, CommitRecord
-from ucl.format.repository import step_prefix
+from ucl.format.repository import commit_key, step_prefix
 from ucl.format.shardfile import index_nbytes, parse_index
 from ucl.io.ranges import ALIGN, Lease, RangeReader, open_regular
 from ucl.io.stores.base import Store
@@ -67,6 +75,31 @@ class StepFiles:
                 return None
             p = self._paths[key] = q
         return p
+
+    def removed(self, what: str = "") -> StepRemovedError | None:
+        """``step_removed`` when this step's commit record is gone or is another one now (retention, gc or
+        compaction deleted the step while it was read), else None (also for a damaged record: that is not a
+        removal). ``what`` says what the reader found missing."""
+        try:
+            now = CommitRecord.from_bytes(self.store.read(commit_key(self.step)), commit_key(self.step), self.step)
+        except (FileNotFoundError, NotADirectoryError):
+            now = None
+        except UCLError:
+            return None
+        if now == self.record:
+            return None
+        how = "its commit record is gone" if now is None else "its commit record was replaced (compacted)"
+        return StepRemovedError(f"step {self.step} was removed while it was read ({how})" + (f": {what}" if what else ""),
+                                file=commit_key(self.step))
+
+    def missing(self, key: str, name: str) -> UCLError:
+        """The error for a listed shard that is not there: ``step_removed`` when the step was removed while
+        it was read, else ``missing_shard`` (the record still names the file: corruption)."""
+        gone = self.removed(f"shard {key} of tensor {name!r} is gone with it")
+        if gone is None:
+            return missing(key, name)
+        gone.tensor, gone.file = name, key
+        return gone
 
     # -- bytes ---------------------------------------------------------------------------------------
     def read(self, key: str, offset: int, length: int) -> Lease | memoryview:
@@ -124,7 +157,7 @@ class StepFiles:
                     return idx
             raw = self._pread(key, size - n, n)
         except (FileNotFoundError, NotADirectoryError):
-            raise missing(key, meta.name) from None
+            raise self.missing(key, meta.name) from None
         except NotAFileError as e:
             raise not_a_file(e, key, meta.name) from None
         self.count(len(raw))
@@ -143,7 +176,7 @@ class StepFiles:
         try:
             got = self.read(key, 0, size)
         except (FileNotFoundError, NotADirectoryError):
-            raise missing(key, meta.name) from None
+            raise self.missing(key, meta.name) from None
         except NotAFileError as e:
             raise not_a_file(e, key, meta.name) from None
         view = got.view if isinstance(got, Lease) else got

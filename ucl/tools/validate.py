@@ -214,7 +214,7 @@ def _check_shard(repo: Repository, files: StepFiles, record: CommitRecord, arr: 
     size, crc = record.files[rel]
     actual = repo.store.size(key)
     if actual is None:
-        raise MissingShardError(f"shard {key} of tensor {arr.name!r} is missing", tensor=arr.name, file=key)
+        raise files.missing(key, arr.name)  # step_removed when the step was deleted while validated
     if actual != size:
         raise ShardSizeError(f"shard {key} of tensor {arr.name!r} is {actual} bytes, the commit record says {size}",
                              tensor=arr.name, file=key)
