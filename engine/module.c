@@ -295,7 +295,8 @@ PyMODINIT_FUNC PyInit__engine(void) {
         PyModule_AddIntConstant(m, "FAULT_PWRITE", UCL_FAULT_PWRITE) ||
         PyModule_AddIntConstant(m, "FAULT_SHORT_WRITE", UCL_FAULT_SHORT_WRITE) ||
         PyModule_AddIntConstant(m, "FAULT_FDATASYNC", UCL_FAULT_FDATASYNC) ||
-        PyModule_AddIntConstant(m, "FAULT_NO_DIRECT", UCL_FAULT_NO_DIRECT)) {
+        PyModule_AddIntConstant(m, "FAULT_NO_DIRECT", UCL_FAULT_NO_DIRECT) ||
+        PyModule_AddIntConstant(m, "FAULT_STALL", UCL_FAULT_STALL)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -116,6 +116,10 @@ static int mkdir_parents(const char *path) {
 }
 
 static int xopen(const char *path, int flags) {
+    while (__atomic_load_n(&fault.kind, __ATOMIC_ACQUIRE) == UCL_FAULT_STALL) { /* a job that hangs (tests) */
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+    }
     if ((flags & O_DIRECT) && fault_hit(UCL_FAULT_NO_DIRECT)) {
         errno = EINVAL;
         return -1;
@@ -140,7 +144,8 @@ static int open_mkdir(const char *path, int flags, const char **op) {
 
 static void do_open(ucl_pool *p, ucl_job *j) {
     const char *op = "opening";
-    int flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC;
+    /* never through a symlink planted at the name, never blocking on a FIFO (ENXIO without a reader) */
+    int flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK;
     int direct = p->direct && j->size >= ALIGN; /* a smaller file is all tail */
     int fd = open_mkdir(j->path, flags | (direct ? O_DIRECT : 0), &op);
     if (fd < 0 && direct && errno == EINVAL) { /* no O_DIRECT on this filesystem (tmpfs, ...) */
@@ -148,6 +153,16 @@ static void do_open(ucl_pool *p, ucl_job *j) {
         fd = open_mkdir(j->path, flags, &op);
     }
     if (fd < 0) return fail(j, errno, op, 0);
+    struct stat st;
+    if (fstat(fd, &st)) {
+        int e = errno;
+        close(fd);
+        return fail(j, e, "opening", 0);
+    }
+    if (!S_ISREG(st.st_mode)) { /* a device node: never written */
+        close(fd);
+        return fail(j, EINVAL, "opening (not a regular file)", 0);
+    }
     j->fd = j->fd_buf = fd;
     /* Allocating the whole file first reports a full disk before any write, and makes the segment
        writes overwrites, which ext4 runs in parallel (O_DIRECT writes past the end are serialised). */
@@ -155,7 +170,7 @@ static void do_open(ucl_pool *p, ucl_job *j) {
         (errno == ENOSPC || errno == EDQUOT || errno == EFBIG || errno == EIO))
         return fail(j, errno, "allocating", 0);
     if (direct) { /* the unaligned tail goes through a buffered fd */
-        j->fd_buf = open(j->path, O_WRONLY | O_CLOEXEC);
+        j->fd_buf = open(j->path, O_WRONLY | O_CLOEXEC | O_NOFOLLOW);
         if (j->fd_buf < 0) {
             j->fd_buf = fd;
             return fail(j, errno, "opening", 0);

@@ -47,7 +47,8 @@ int ucl_fsync_dir(const char *path);
 /* Test hook, inert until set: fail or shorten the nth pwrite, fail the nth fdatasync, or refuse the
    nth open with O_DIRECT (EINVAL, as tmpfs did before Linux 6.6), counted from this call over all
    threads (nth == 0: every call). */
-enum { UCL_FAULT_NONE, UCL_FAULT_PWRITE, UCL_FAULT_SHORT_WRITE, UCL_FAULT_FDATASYNC, UCL_FAULT_NO_DIRECT };
+enum { UCL_FAULT_NONE, UCL_FAULT_PWRITE, UCL_FAULT_SHORT_WRITE, UCL_FAULT_FDATASYNC, UCL_FAULT_NO_DIRECT,
+       UCL_FAULT_STALL };
 void ucl_fault_set(int kind, unsigned nth, int err);
 
 /* The bench's reference: nbytes written sequentially with O_DIRECT in block-sized writes, inflight

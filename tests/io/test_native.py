@@ -337,34 +337,46 @@ def test_close_with_pending_jobs(tmp_path: Path) -> None:
 
 
 def test_wait_timeout_then_wait_again(tmp_path: Path) -> None:
-    fifo = tmp_path / "fifo"
-    os.mkfifo(fifo)
-    with FileWriter(threads=1, direct=False) as w:
-        job = w.submit(fifo, [b"data"])  # its open() blocks until the FIFO has a reader
-        with pytest.raises(TimeoutError, match="still running after 0.1 s"):
-            w.wait(job, timeout=0.1)
-        reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-        try:
-            # the open completes; pwrite on a FIFO cannot
-            _raises(w, job, errno.ESPIPE, f"Illegal seek while writing {fifo} at offset 0")
-        finally:
-            os.close(reader)
+    path = tmp_path / "f"
+    inject_fault("stall")  # every open hangs until injection is off
+    try:
+        with FileWriter(threads=1, direct=False) as w:
+            job = w.submit(path, [b"data"])
+            with pytest.raises(TimeoutError, match="still running after 0.1 s"):
+                w.wait(job, timeout=0.1)
+            inject_fault(None)  # the open completes
+            assert w.wait(job)[0] == 4 and path.read_bytes() == b"data"
+    finally:
+        inject_fault(None)
 
 
 def test_close_timeout_then_close_again(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    inject_fault("stall")
+    try:
+        w = FileWriter(threads=1, direct=False)
+        job = w.submit(path, [b"data"])
+        time.sleep(0.3)  # let the thread reach the open() that hangs
+        with pytest.raises(TimeoutError, match="still busy after 0.2 s"):
+            w.close(timeout=0.2)
+    finally:
+        inject_fault(None)
+    w.close(timeout=None)
+    _raises(w, job, errno.ECANCELED, f"Operation canceled while writing {path} at offset 0")
+
+
+def test_special_files_are_never_written(tmp_path: Path) -> None:
+    """A FIFO or a symlink at a shard's name: the C writer neither blocks on it nor follows it."""
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    w = FileWriter(threads=1, direct=False)
-    job = w.submit(fifo, [b"data"])
-    time.sleep(0.3)  # let the thread reach the open() that blocks
-    with pytest.raises(TimeoutError, match="still busy after 0.2 s"):
-        w.close(timeout=0.2)
-    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        w.close(timeout=None)
-    finally:
-        os.close(reader)
-    _raises(w, job, errno.ECANCELED, f"Operation canceled while writing {fifo} at offset 0")
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep")
+    link = tmp_path / "link"
+    link.symlink_to(outside)
+    with FileWriter(threads=1, direct=False) as w:
+        _raises(w, w.submit(fifo, [b"data"]), errno.ENXIO, f"No such device or address while opening {fifo} at offset 0")
+        _raises(w, w.submit(link, [b"data"]), errno.ELOOP, f"Too many levels of symbolic links while opening {link} at offset 0")
+    assert outside.read_bytes() == b"keep"
 
 
 # -- fsync_dir, crc32c, arguments ------------------------------------------------------------------

@@ -13,10 +13,11 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import time
 from typing import Any
 
-from ucl.errors import WriterLockedError
+from ucl.errors import NotAFileError, WriteError, WriterLockedError
 from ucl.format.repository import Repository
 
 LEASE_S = 900.0
@@ -45,8 +46,15 @@ class WriterLock:
     def _acquire_local(cls, repo: Repository) -> WriterLock:
         import fcntl
 
-        path = os.path.join(repo.store.root, LOCAL_NAME)  # type: ignore[attr-defined]
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        path = repo.store.local_path(LOCAL_NAME)  # inside the repository (spec/core.md §3, item 2)
+        assert path is not None
+        try:  # never through a symlink planted at the name, never blocking on a FIFO
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise WriteError(f"cannot open the writer lock {path}: {os.strerror(e.errno or 0)}", file=path) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise NotAFileError(f"the writer lock {path} is not a regular file", file=path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -36,6 +36,7 @@ _FAULTS = {
     "short_write": _engine.FAULT_SHORT_WRITE,
     "fdatasync": _engine.FAULT_FDATASYNC,
     "no_direct": _engine.FAULT_NO_DIRECT,
+    "stall": _engine.FAULT_STALL,
 }
 
 
@@ -268,7 +269,8 @@ def inject_fault(kind: str | None, nth: int = 1, errno: int = _errno.EIO) -> Non
         ``"pwrite"`` fails the nth ``pwrite`` with ``errno``; ``"short_write"`` makes it write half
         of what it was asked (still 4 KiB-aligned with ``O_DIRECT``); ``"fdatasync"`` fails the nth
         ``fdatasync`` with ``errno``; ``"no_direct"`` refuses the nth ``O_DIRECT`` open with
-        ``EINVAL``, as a filesystem without ``O_DIRECT`` does. None turns injection off.
+        ``EINVAL``, as a filesystem without ``O_DIRECT`` does; ``"stall"`` holds every file's open until
+        injection is turned off (a job that hangs, as on a stuck device). None turns injection off.
     nth : int
         Which call, from 1; 0 means every call.
     errno : int

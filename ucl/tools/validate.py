@@ -103,7 +103,11 @@ def validate_repo(path: Any, step: int | None = None, *, storage_options: dict[s
         report.add(e)
         return report
     _check_steps_group(repo, report)
-    steps = repo.steps() if step is None else [step]
+    try:
+        steps = repo.steps() if step is None else [step]
+    except UCLError as e:  # commits/ that is not a directory, or resolves outside the repository
+        report.add(e)
+        return report
     for s in steps:
         report.steps.append(s)
         _validate_step(repo, s, report, checksums, options)
@@ -115,7 +119,7 @@ def _check_steps_group(repo: Repository, report: Report) -> None:
 
     what = f"{repo.url}/steps/zarr.json"
     try:
-        doc = metadata.loads(repo.store.read("steps/zarr.json"), what)
+        doc = metadata.loads(repo.read_document("steps/zarr.json"), what)
     except (FileNotFoundError, NotADirectoryError):
         report.add(SchemaError(f"{what} is missing", file=what))
         return
