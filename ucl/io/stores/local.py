@@ -57,6 +57,9 @@ class LocalStore(Store):
         # can vanish in a power cut (spec/core.md §7, item 2c); sync_dir and sync_all clear them.
         self._dirty: set[str] = set()
         self._dirty_lock = threading.Lock()
+        # Directories verified to be directories inside the root (or created by this store): a writer's
+        # path costs one lstat per new directory, not a realpath per file. Forgotten when deleted.
+        self._dirs_ok: set[str] = set()
 
     @property
     def is_local(self) -> bool:
@@ -72,18 +75,29 @@ class LocalStore(Store):
     def write_path(self, key: str) -> str:
         """The path of ``key`` for a writer that opens it itself (the C FileWriter): checked like every
         path, its directory created inside the root, not a FIFO or device (an open would block)."""
-        p = self._checked(key)
-        self._makedirs(os.path.dirname(p))
+        p, st = self._writable(key)
         self._entry_in(os.path.dirname(p))  # the writer creates the file
+        if st is not None:
+            if stat.S_ISLNK(st.st_mode):
+                st = os.stat(p)  # contained (checked): what it points to must be a regular file too
+            if not stat.S_ISREG(st.st_mode):
+                raise _not_regular(p, st.st_mode)
+        return p
+
+    def _writable(self, key: str) -> tuple[str, os.stat_result | None]:
+        """The path of ``key`` for writing, its directory made (inside the root), and what is there now
+        (lstat; None when absent). A symlink there must resolve inside the root."""
+        p = self.path(key)
+        self._ensure_dir(os.path.dirname(p), key)
         try:
-            st = os.stat(p)
-        except (FileNotFoundError, NotADirectoryError):
-            return p
+            st = os.lstat(p)
+        except FileNotFoundError:
+            return p, None
         except OSError as e:
             raise _write_error(e, p, 0) from e
-        if not stat.S_ISREG(st.st_mode):
-            raise _not_regular(p, st.st_mode)
-        return p
+        if stat.S_ISLNK(st.st_mode):
+            self._contained(p, key)
+        return p, st
 
     # -- containment ---------------------------------------------------------------------------------
     def _contained(self, p: str, key: str) -> None:
@@ -208,7 +222,44 @@ class LocalStore(Store):
     # -- writing -------------------------------------------------------------------------------------
     def makedirs(self, prefix: str) -> None:
         """Create the directory ``prefix`` and its parents, inside the root."""
-        self._makedirs(self._checked(prefix))
+        self._ensure_dir(self.path(prefix) if prefix else self.root, prefix)
+
+    def _ensure_dir(self, d: str, key: str) -> None:
+        """``d`` (the root or a directory below it) exists as a directory inside the root, the missing ones
+        created: each directory is checked once (lstat; a symlink must resolve inside the root) and then
+        remembered."""
+        if d in self._dirs_ok:
+            return
+        if d == self.root:
+            self._makedirs(d)  # the repository's own directory (and its parents, outside it)
+            self._dirs_ok.add(d)
+            return
+        self._ensure_dir(os.path.dirname(d), key)
+        try:
+            st = os.lstat(d)
+        except FileNotFoundError:
+            try:
+                os.mkdir(d)
+            except FileExistsError:  # made meanwhile (another thread): checked below
+                st = os.lstat(d)
+            except OSError as e:  # ENOSPC / EDQUOT (no inodes), EACCES
+                raise _write_error(e, d, 0, "creating the directory") from e
+            else:
+                self._entry_in(os.path.dirname(d))
+                self._dirs_ok.add(d)
+                return
+        except OSError as e:
+            raise _write_error(e, d, 0, "creating the directory") from e
+        if stat.S_ISLNK(st.st_mode):
+            self._contained(d, key)  # followed, as readers follow it, only when it stays inside
+            st = os.stat(d)
+        if not stat.S_ISDIR(st.st_mode):
+            raise _write_error(OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR)), d, 0, "creating the directory")
+        self._dirs_ok.add(d)
+
+    def _forget_dirs(self, p: str) -> None:
+        """``p`` and what was below it are gone: their directories must be checked again."""
+        self._dirs_ok = {d for d in self._dirs_ok if d != p and not d.startswith(p + os.sep)}
 
     def _makedirs(self, d: str) -> None:
         if os.path.isdir(d):
@@ -248,12 +299,16 @@ class LocalStore(Store):
         self._synced(set(dirs))
 
     def write(self, key: str, buffers: Sequence[Buffer], *, durable: bool = True) -> tuple[int, int]:
-        p = self._checked(key)
-        self._makedirs(os.path.dirname(p))
+        p, _ = self._writable(key)
         crc = 0
         size = 0
         try:
-            fd = _create(p, os.O_TRUNC)
+            try:
+                fd = _create(p, os.O_TRUNC)
+            except FileNotFoundError:  # its directory went since it was checked (moved, deleted): again
+                self._forget_dirs(os.path.dirname(p))
+                self._ensure_dir(os.path.dirname(p), key)
+                fd = _create(p, os.O_TRUNC)
             self._entry_in(os.path.dirname(p))
             try:
                 for b in buffers:
@@ -274,9 +329,8 @@ class LocalStore(Store):
         return size, crc
 
     def write_atomic(self, key: str, data: bytes) -> None:
-        p = self._checked(key)
+        p, _ = self._writable(key)
         d = os.path.dirname(p)
-        self._makedirs(d)
         tmp = f"{p}.tmp-{os.getpid()}-{threading.get_native_id()}"  # two threads may write one key at once
         try:
             fd = _create(tmp, os.O_TRUNC | os.O_NOFOLLOW)  # never through a symlink planted at the name
@@ -303,9 +357,11 @@ class LocalStore(Store):
         try:
             st = os.lstat(p)
         except (FileNotFoundError, NotADirectoryError):
+            self._forget_dirs(p)  # gone already (moved away): nothing of it is known any more
             return
         if stat.S_ISDIR(st.st_mode):  # a real directory (not a symlink to one): rmtree never follows links
             shutil.rmtree(p, ignore_errors=True)
+            self._forget_dirs(p)
         else:
             self.delete(prefix)
 
@@ -313,6 +369,7 @@ class LocalStore(Store):
         p = self._checked_parent(key)
         try:
             os.unlink(p)  # a symlink: the link itself
+            self._forget_dirs(p)
         except (FileNotFoundError, NotADirectoryError):
             pass
         except OSError as e:  # a directory where a file should be (EISDIR), permissions
