@@ -33,17 +33,25 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> Non
 
 
 def trained_state(step: int) -> dict[str, object]:
-    """The state after training steps 0..step without interruption."""
-    model, opt = _model_and_optimizer()
-    for s in range(step + 1):
-        _train(model, opt, s)
-    return {"model": model.state_dict(), "optim": opt.state_dict()}
+    """The state after training steps 0..step without interruption (on one thread, as the writer trains)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, opt = _model_and_optimizer()
+        for s in range(step + 1):
+            _train(model, opt, s)
+        return {"model": model.state_dict(), "optim": opt.state_dict()}
+    finally:
+        torch.set_num_threads(threads)
 
 
 def main() -> None:
     from ucl.write.manager import CheckpointManager
 
     path, mode = sys.argv[1], sys.argv[2]
+    # training must be bit-reproducible across processes (the checker recomputes it): one BLAS thread, so
+    # that no reduction is split differently when the machine is loaded
+    torch.set_num_threads(1)
     import ucl
 
     start = (ucl.Repository.open(path).latest() if _exists(path) else None)
