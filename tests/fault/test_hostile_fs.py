@@ -32,6 +32,7 @@ import pytest
 import torch
 
 import ucl
+from tests.fs import snapshot
 from ucl.errors import UCLError
 
 TIMEOUT = 10.0
@@ -155,17 +156,6 @@ def plant(base: Path, pristine: Path, kind: str, position: str) -> tuple[Path, P
     elif kind == "link_loop":
         os.symlink(p.name, p)
     return repo, outside
-
-
-def snapshot(root: Path) -> dict[str, tuple]:
-    out: dict[str, tuple] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for n in dirnames + filenames:
-            p = Path(dirpath) / n
-            st = os.lstat(p)
-            body = p.read_bytes() if stat.S_ISREG(st.st_mode) else os.readlink(p) if p.is_symlink() else None
-            out[str(p.relative_to(root))] = (stat.S_IFMT(st.st_mode), st.st_size, st.st_mtime_ns, body)
-    return out
 
 
 # -- the operations --------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fs import snapshot
 from ucl.errors import InvalidNameError, LimitExceededError, NotAFileError, UCLError, WriteError
 from ucl.io.ranges import RangeReader
 from ucl.io.stores.local import LocalStore
@@ -79,18 +80,6 @@ def can_mknod(tmp: Path) -> str | None:
 def store(tmp_path: Path) -> LocalStore:
     (tmp_path / "repo").mkdir()
     return LocalStore(str(tmp_path / "repo"))
-
-
-def snapshot(root: Path) -> dict[str, tuple]:
-    """Everything under ``root`` (never following links): kind, size, mtime, content of files."""
-    out: dict[str, tuple] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for n in dirnames + filenames:
-            p = Path(dirpath) / n
-            st = os.lstat(p)
-            body = p.read_bytes() if stat.S_ISREG(st.st_mode) else os.readlink(p) if p.is_symlink() else None
-            out[str(p.relative_to(root))] = (stat.S_IFMT(st.st_mode), st.st_size, st.st_mtime_ns, body)
-    return out
 
 
 # -- special files ---------------------------------------------------------------------------------
