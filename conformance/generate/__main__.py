@@ -5,6 +5,7 @@ Usage, from the repository root::
     python -m conformance.generate            # refuses when conformance/fixtures exists
     python -m conformance.generate --force    # deliberate regeneration: review `git diff --stat` after
     python -m conformance.generate --check    # regenerate into a temporary folder and diff (no writes)
+    python -m conformance.generate --force --only layouts,deltas   # regenerate some case files only
 """
 
 from __future__ import annotations
@@ -53,17 +54,24 @@ FEATURES = (
 )
 
 
-def build(root: Path) -> Suite:
+def _name(module: object) -> str:
+    return module.__name__.rpartition(".")[2]  # type: ignore[attr-defined]
+
+
+def build(root: Path, only: frozenset[str] | None = None) -> Suite:
     suite = Suite()
     for module in FEATURES:
-        module.build(root, suite.cases(module.__name__.rpartition(".")[2]))
+        if only is None or _name(module) in only:
+            module.build(root, suite.cases(_name(module)))
     return suite
 
 
-def write(out: Path) -> Suite:
+def write(out: Path, only: frozenset[str] | None = None) -> Suite:
     fixtures = out / "fixtures"
     fixtures.mkdir(parents=True)
-    suite = build(fixtures)
+    suite = build(fixtures, only)
+    for lock in fixtures.rglob(".ucl-writer.lock"):  # the writers' lock files are not part of a fixture
+        lock.unlink()
     cases = out / "cases"
     cases.mkdir(parents=True, exist_ok=True)
     for feature, items in suite.by_feature.items():
@@ -88,7 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--check", action="store_true", help="regenerate into a temporary folder and list differences"
     )
+    ap.add_argument(
+        "--only",
+        default="",
+        help="with --force: regenerate only these case files (comma-separated features) and their fixtures",
+    )
     a = ap.parse_args(argv)
+    if a.only:
+        return _regenerate_only(frozenset(x for x in a.only.split(",") if x), a.force)
     if a.check:
         with tempfile.TemporaryDirectory() as tmp:
             write(Path(tmp))
@@ -111,6 +126,26 @@ def main(argv: list[str] | None = None) -> int:
         f"wrote {n} cases in {len(suite.by_feature)} files; review with `git status conformance` and "
         "`git diff --stat conformance`"
     )
+    return 0
+
+
+def _regenerate_only(only: frozenset[str], force: bool) -> int:
+    """Regenerate some features: their case files, and the fixture folders their cases use (replaced)."""
+    unknown = only - {_name(m) for m in FEATURES}
+    if unknown or not force:
+        print(f"--only needs --force and known features (unknown: {sorted(unknown)})", file=sys.stderr)
+        return 1
+    with tempfile.TemporaryDirectory() as tmp:
+        suite = write(Path(tmp), only)
+        for feature, items in suite.by_feature.items():
+            for fx in sorted({c["fixture"] for c in items}):
+                shutil.rmtree(HERE / "fixtures" / fx, ignore_errors=True)
+                (HERE / "fixtures" / fx).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copytree(Path(tmp) / "fixtures" / fx, HERE / "fixtures" / fx, symlinks=True)
+            (HERE / "cases" / f"{feature}.json").write_text(
+                json.dumps(items, indent=2, ensure_ascii=False) + "\n"
+            )
+    print(f"regenerated {', '.join(sorted(only))}; review with `git status conformance`")
     return 0
 
 
