@@ -3,6 +3,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <string.h>
 #include "crc32c.h"
 #include "writer.h"
 
@@ -275,12 +276,61 @@ static PyObject *py_device_write(PyObject *self, PyObject *args) {
     return Py_BuildValue("id", err, seconds);
 }
 
+/* json_lint(buffer) -> (depth, wide_int): the nesting depth of a JSON text (arrays and objects, the
+ * outermost counted as 1) and whether it holds an integer token outside [-2^63, 2^64) (spec/core.md
+ * §8.4), in one pass over the bytes, before a parser recurses or converts 20,000-digit numbers. Strings
+ * are skipped with their escapes; the text is not otherwise checked (the parser does that). */
+static PyObject *py_json_lint(PyObject *self, PyObject *args) {
+    Py_buffer buf;
+    if (!PyArg_ParseTuple(args, "y*", &buf)) return NULL;
+    const unsigned char *p = buf.buf, *end = p + buf.len;
+    long long depth = 0, deepest = 0;
+    int wide = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (p < end) {
+        unsigned char c = *p;
+        if (c == '"') {
+            for (p++; p < end && *p != '"'; p++)
+                if (*p == '\\') p++;
+            p++;
+        } else if (c == '[' || c == '{') {
+            if (++depth > deepest) deepest = depth;
+            p++;
+        } else if (c == ']' || c == '}') {
+            depth--;
+            p++;
+        } else if (c == '-' || (c >= '0' && c <= '9')) {
+            int neg = c == '-', frac = 0;
+            if (neg) p++;
+            const unsigned char *d = p;
+            while (p < end && *p >= '0' && *p <= '9') p++;
+            size_t nd = (size_t)(p - d);
+            while (p < end && (*p == '.' || *p == 'e' || *p == 'E' || *p == '+' || *p == '-' ||
+                               (*p >= '0' && *p <= '9'))) {
+                frac = 1;
+                p++;
+            }
+            if (!frac && nd >= 19) {  /* 2^63 = 9223372036854775808, 2^64 - 1 = 18446744073709551615 */
+                const char *lim = neg ? "9223372036854775808" : "18446744073709551615";
+                size_t nl = strlen(lim);
+                if (nd > nl || (nd == nl && memcmp(d, lim, nl) > 0)) wide = 1;
+            }
+        } else {
+            p++;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&buf);
+    return Py_BuildValue("Li", deepest, wide);
+}
+
 static PyMethodDef methods[] = {
     {"crc32c", py_crc32c, METH_VARARGS, NULL},
     {"crc32c_hw", py_crc32c_hw, METH_NOARGS, NULL},
     {"fsync_dir", py_fsync_dir, METH_VARARGS, NULL},
     {"inject_fault", py_inject_fault, METH_VARARGS, NULL},
     {"device_write", py_device_write, METH_VARARGS, NULL},
+    {"json_lint", py_json_lint, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 

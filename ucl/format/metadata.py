@@ -31,6 +31,7 @@ from ucl.io import native as _native
 
 FORMAT_VERSION = 1
 MAX_DOC_BYTES = 256 << 20
+MAX_JSON_DEPTH = 128  # spec/core.md §8.4: a step document's deepest legitimate value is at depth 100
 MAX_ELEMENTS = 1 << 62
 MAX_INNER_CHUNKS_PER_SHARD = 1 << 24
 SCHEMA_DIR = Path(__file__).with_name("schemas")
@@ -46,6 +47,12 @@ def loads(data: bytes, what: str) -> Any:
     """Parse a metadata document: bounded size and depth, strict JSON (no NaN/Infinity)."""
     if len(data) > MAX_DOC_BYTES:
         raise LimitExceededError(f"{what} is {len(data)} bytes, more than the limit of {MAX_DOC_BYTES}", file=what)
+    depth, wide = _native.json_lint(data)
+    if depth > MAX_JSON_DEPTH:
+        raise LimitExceededError(f"{what} nests {depth} levels deep, more than the limit of {MAX_JSON_DEPTH}",
+                                 file=what)
+    if wide:
+        raise SchemaError(f"{what} holds an integer outside [-2^63, 2^64) (spec/core.md §8.4)", file=what)
     try:
         return json.loads(data, parse_constant=_reject_constant)
     except RecursionError:
@@ -457,7 +464,12 @@ class CommitRecord:
         except (SchemaError, LimitExceededError) as e:
             raise CorruptCommitRecordError(f"commit record {what} is unreadable: {e.message}", file=what) from None
         body = {k: v for k, v in doc.items() if k != "checksum"}
-        if _native.crc32c(canonical(body)) != doc["checksum"]:
+        try:
+            sealed = canonical(body)
+        except UnicodeEncodeError:  # a lone surrogate (\ud800) has no UTF-8, so no canonical form (§3.4)
+            raise CorruptCommitRecordError(f"commit record {what} holds a lone surrogate: it has no canonical "
+                                           "form", file=what) from None
+        if _native.crc32c(sealed) != doc["checksum"]:
             raise CorruptCommitRecordError(f"commit record {what} fails its checksum", file=what)
         check_extensions(doc.get("extensions", []), what)
         if step is not None and doc["step"] != step:

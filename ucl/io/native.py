@@ -260,6 +260,13 @@ def crc32c(data: Buffer, value: int = 0) -> int:
     return crc
 
 
+def json_lint(data: Buffer) -> tuple[int, bool]:
+    """(nesting depth, holds an integer outside [-2^63, 2^64)) of a JSON text, in one pass in C, so that
+    the limits of spec/core.md §8.4 are checked before a parser recurses or converts huge numbers."""
+    depth, wide = _engine.json_lint(data)
+    return int(depth), bool(wide)
+
+
 def inject_fault(kind: str | None, nth: int = 1, errno: int = _errno.EIO) -> None:
     """Test hook: make the engine fail, counting calls over all threads from now on.
 
