@@ -125,6 +125,15 @@ class CorruptShardIndexError(IntegrityError):
     code = "corrupt_shard_index"
 
 
+class PayloadError(IntegrityError, FormatError):
+    """A payload whose crc32c verifies but that does not decode to exactly its inner chunk (spec/delta.md
+    §5.4): no mode byte, an unknown or mismatched mode, frames that are not what §5.2 allows, that do not
+    decode, or whose content does not add up to the chunk. ``integrity_error`` (spec/core.md §10), as a
+    compressed inner chunk that does not decompress; still a ``FormatError`` for callers that catch that."""
+
+    code = "integrity_error"
+
+
 class CorruptCommitRecordError(IntegrityError):
     """A commit record exists but is unreadable or fails its own checksum."""
 

@@ -315,7 +315,7 @@ def test_a_corrupt_base_chunk_breaks_every_dependent_step_naming_the_base() -> N
     repo.corrupt.clear()
     repo.chunks[(3, "w", 1)] = b"\x01\x28\xb5\x2f\xfd"
     with pytest.raises(
-        DeltaChainError, match=r"inner chunk \[1\] of step 3 \(a base of step 5\): \[format_error\]"
+        DeltaChainError, match=r"inner chunk \[1\] of step 3 \(a base of step 5\): \[integrity_error\]"
     ):
         repo.load(5, "w", np.dtype(np.float32))
 

@@ -266,7 +266,7 @@ def test_damage_in_a_middle_link_raises_the_same_error(chains, paths, tmp_path, 
         "checksum_mismatch", "size_mismatch", "missing_shard", "corrupt_shard_index")
 
 
-def test_a_malformed_payload_with_a_valid_crc_is_a_format_error_naming_its_step(chains, paths,
+def test_a_malformed_payload_with_a_valid_crc_is_an_integrity_error_naming_its_step(chains, paths,
                                                                                 tmp_path) -> None:
     from ucl.io import native as _native
 
@@ -282,7 +282,7 @@ def test_a_malformed_payload_with_a_valid_crc_is_a_format_error_naming_its_step(
         data[off + nb - 4 : off + nb] = _native.crc32c(bytes(data[off : off + nb - 4])).to_bytes(4, "little")
         f.write_bytes(bytes(data))
     e = _same_error(root, 5, ["w"], OPTIONS[paths])
-    assert isinstance(e, DeltaChainError) and "of step 2 (a base of step 5): [format_error]" in str(e), e
+    assert isinstance(e, DeltaChainError) and "of step 2 (a base of step 5): [integrity_error]" in str(e), e
 
 
 def test_errors_come_in_request_order(chains, paths, tmp_path) -> None:

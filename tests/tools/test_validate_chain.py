@@ -148,7 +148,7 @@ def test_bad_records_and_codecs_are_reported_as_such() -> None:
         "w", chunked(2), codec={"name": "ucl.delta", "configuration": {"encoding": "sub", "base_step": 2}}
     )
     errs = list(validate_chain(r, 3, r.metas[3]))
-    assert codes(errs) == ["format_error"] and "disagrees" in errs[0].message
+    assert codes(errs) == ["inconsistent_metadata"] and "disagrees" in errs[0].message
     r.metas[3].arrays["w"] = Arr("w", chunked(0))
     errs = list(validate_chain(r, 3, r.metas[3]))
     assert (

@@ -80,6 +80,6 @@ def test_validate_reports_a_delta_payload_that_does_not_decode(tmp_path: Path) -
     report = ucl.validate(p, step=1)
     assert not report.ok  # before the fix: ok, every checksum matches
     problems = [pr for pr in report.problems if pr.tensor == "w"]
-    assert problems and problems[0].code == "broken_chain" and "zstd" in problems[0].message
+    assert problems and problems[0].code == "integrity_error" and "zstd" in problems[0].message
     assert problems[0].file == f"steps/1/{rel}"
     assert ucl.validate(p, step=0).ok  # the base is sound

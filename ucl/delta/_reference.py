@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numcodecs import zstd
 
-from ucl.errors import DeltaChainError, FormatError
+from ucl.errors import DeltaChainError, PayloadError
 
 MODE_FULL, MODE_XOR, MODE_SUB = 0, 1, 2
 _MAGIC = 0xFD2FB528
@@ -57,7 +57,7 @@ def _frame_extent(buf: memoryview, pos: int) -> tuple[int, int, bool]:
     field by field."""
     n = len(buf)
     if n - pos < 5 or int.from_bytes(buf[pos : pos + 4], "little") != _MAGIC:
-        raise FormatError(f"delta payload: no zstd frame at offset {pos} (expected magic 28 B5 2F FD)")
+        raise PayloadError(f"delta payload: no zstd frame at offset {pos} (expected magic 28 B5 2F FD)")
     fhd = buf[pos + 4]
     fcs_flag, single, reserved, checksum, did_flag = (
         fhd >> 6,
@@ -67,46 +67,46 @@ def _frame_extent(buf: memoryview, pos: int) -> tuple[int, int, bool]:
         fhd & 3,
     )
     if reserved:
-        raise FormatError(f"delta payload: zstd frame at offset {pos} sets the reserved header bit")
+        raise PayloadError(f"delta payload: zstd frame at offset {pos} sets the reserved header bit")
     p = pos + 5 + (0 if single else 1)
     did_size = (0, 1, 2, 4)[did_flag]
     fcs_size = (1 if single else 0, 2, 4, 8)[fcs_flag]
     if fcs_size == 0:
-        raise FormatError(f"delta payload: zstd frame at offset {pos} has no content size")
+        raise PayloadError(f"delta payload: zstd frame at offset {pos} has no content size")
     if p + did_size + fcs_size > n:
-        raise FormatError(f"delta payload: zstd frame header at offset {pos} is truncated")
+        raise PayloadError(f"delta payload: zstd frame header at offset {pos} is truncated")
     if int.from_bytes(buf[p : p + did_size], "little") != 0:
-        raise FormatError(f"delta payload: zstd frame at offset {pos} needs a dictionary")
+        raise PayloadError(f"delta payload: zstd frame at offset {pos} needs a dictionary")
     p += did_size
     size = int.from_bytes(buf[p : p + fcs_size], "little") + (256 if fcs_size == 2 else 0)
     p += fcs_size
     data_blocks = False
     while True:
         if p + 3 > n:
-            raise FormatError(f"delta payload: zstd frame at offset {pos} is truncated (block header)")
+            raise PayloadError(f"delta payload: zstd frame at offset {pos} is truncated (block header)")
         h = int.from_bytes(buf[p : p + 3], "little")
         last, btype, bsize = h & 1, (h >> 1) & 3, h >> 3
         if btype == 3:
-            raise FormatError(f"delta payload: zstd frame at offset {pos} has a reserved block type")
+            raise PayloadError(f"delta payload: zstd frame at offset {pos} has a reserved block type")
         data_blocks |= bsize > 0 or btype == 2
         p += 3 + (1 if btype == 1 else bsize)
         if p > n:
-            raise FormatError(f"delta payload: zstd frame at offset {pos} is truncated (block data)")
+            raise PayloadError(f"delta payload: zstd frame at offset {pos} is truncated (block data)")
         if last:
             break
     p += 4 * checksum
     if p > n:
-        raise FormatError(f"delta payload: zstd frame at offset {pos} is truncated (checksum)")
+        raise PayloadError(f"delta payload: zstd frame at offset {pos} is truncated (checksum)")
     return size, p, data_blocks
 
 
 def decode(payload: bytes | memoryview | bytearray, base: np.ndarray | None, out: np.ndarray) -> None:
     buf = memoryview(payload).cast("B")
     if len(buf) == 0:
-        raise FormatError("delta payload: empty payload (no mode byte)")
+        raise PayloadError("delta payload: empty payload (no mode byte)")
     mode = buf[0]
     if mode not in (MODE_FULL, MODE_XOR, MODE_SUB):
-        raise FormatError(f"delta payload: unknown mode byte {mode} (expected 0 full, 1 xor or 2 sub)")
+        raise PayloadError(f"delta payload: unknown mode byte {mode} (expected 0 full, 1 xor or 2 sub)")
     if mode != MODE_FULL and base is None:
         raise DeltaChainError("delta payload: a delta payload needs the base chunk, and none was given")
     planes = np.empty(out.nbytes, np.uint8)
@@ -114,10 +114,10 @@ def decode(payload: bytes | memoryview | bytearray, base: np.ndarray | None, out
     while pos < len(buf):
         size, end, data_blocks = _frame_extent(buf, pos)
         if size > out.nbytes - got:
-            raise FormatError(f"delta payload: the frames decode to more than the chunk's {out.nbytes} bytes")
+            raise PayloadError(f"delta payload: the frames decode to more than the chunk's {out.nbytes} bytes")
         if size == 0:  # numcodecs cannot decode empty frames; an empty frame has only empty blocks
             if data_blocks:
-                raise FormatError(
+                raise PayloadError(
                     f"delta payload: the zstd frame at offset {pos} has content size 0 but data blocks"
                 )
             pos, frames = end, frames + 1
@@ -125,12 +125,12 @@ def decode(payload: bytes | memoryview | bytearray, base: np.ndarray | None, out
         try:
             zstd.decompress(buf[pos:end], planes[got : got + size])
         except Exception as e:  # numcodecs raises RuntimeError for corrupt frames
-            raise FormatError(f"delta payload: the zstd frame at offset {pos} does not decode: {e}") from None
+            raise PayloadError(f"delta payload: the zstd frame at offset {pos} does not decode: {e}") from None
         got, pos, frames = got + size, end, frames + 1
     if frames == 0:
-        raise FormatError("delta payload: no zstd frame after the mode byte")
+        raise PayloadError("delta payload: no zstd frame after the mode byte")
     if got != out.nbytes:
-        raise FormatError(f"delta payload: the frames decode to {got} bytes, the chunk holds {out.nbytes}")
+        raise PayloadError(f"delta payload: the frames decode to {got} bytes, the chunk holds {out.nbytes}")
     d = unshuffle(planes, out.dtype)
     if mode == MODE_FULL or base is None:  # base is not None here unless mode 0 (checked above)
         out[...] = d

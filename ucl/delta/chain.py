@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ucl.delta.codec import ENCODINGS, MODE_FULL, Backend, decode_chunk
+from ucl.delta.codec import ENCODINGS, MODE_FULL, Backend, PayloadError, decode_chunk
 from ucl.errors import DeltaChainError, FormatError, IntegrityError, LimitExceededError, UCLError
 from ucl.format.records import DeltaRecord
 
@@ -256,8 +256,11 @@ def reconstruct_inner(
 
     Raises
     ------
+    PayloadError
+        (``integrity_error``) A payload of the newest link (the step being rebuilt) whose mode is
+        neither 0 nor its array's encoding's, or that does not decode to exactly the chunk.
     DeltaChainError
-        A payload or stored chunk that is corrupt, malformed or of the wrong size, in any link: the
+        The same in an older link, or a stored chunk there that is corrupt or of the wrong size: the
         message names the link's step and the tensor, and the step being rebuilt.
     """
     base, pending = _walk(links, coords, read_inner, out)
@@ -308,18 +311,19 @@ def _walk(
         mode = data[0] if len(data) else -1
         encoding = link.delta.encoding if link.delta is not None else None
         if mode not in (MODE_FULL, ENCODINGS.get(encoding or "", -1)):
-            raise DeltaChainError(
-                f"{_where(link, coords, top)}: payload mode {mode} is neither 0 (full) nor that of "
-                f"the array's encoding {encoding!r}",
-                tensor=name,
-            )
+            raise _decode_error(link, coords, top, PayloadError(
+                f"payload mode {mode} is neither 0 (full) nor that of the array's encoding {encoding!r}"))
         pending.append((link, data))
         if mode == MODE_FULL:  # full values: older links are not needed
             break
     return None, pending
 
 
-def _decode_error(link: ArrayInfo, coords: tuple[int, ...], top: ArrayInfo, e: UCLError) -> DeltaChainError:
+def _decode_error(link: ArrayInfo, coords: tuple[int, ...], top: ArrayInfo, e: UCLError) -> UCLError:
+    """A payload that does not decode (spec/delta.md §5.4, §7.1): in the step being rebuilt, its own
+    ``integrity_error``; in a base, ``broken_chain`` naming the base (its code in the message)."""
+    if link.step == top.step and isinstance(e, PayloadError):
+        return PayloadError(f"{_where(link, coords, top)}: {e.message}", tensor=top.name, file=e.file)
     return DeltaChainError(f"{_where(link, coords, top)}: [{e.code}] {e.message}", tensor=top.name)
 
 

@@ -18,16 +18,18 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ucl.errors import DeltaChainError, FormatError, InvalidArgumentError
+from ucl.errors import DeltaChainError, InvalidArgumentError, PayloadError
 from ucl.format.records import choose_encoding
 
 __all__ = [
     "ENCODINGS",
+    "PayloadError",
     "MODE_FULL",
     "MODE_SUB",
     "MODE_XOR",
     "Backend",
     "bit_view",
+    "check_payload",
     "choose_encoding",
     "decode_chunk",
     "encode_chunk",
@@ -42,16 +44,17 @@ _MODE_NAMES = {MODE_FULL: "full", MODE_XOR: "xor", MODE_SUB: "sub"}
 _WORDS = (1, 2, 4, 8)
 Backend = Literal["native", "reference"]
 
+
 # C error codes (engine/delta.h) -> (error class, what went wrong)
 _C_ERRORS: dict[int, tuple[type[Exception], str]] = {
     -1: (InvalidArgumentError, "invalid arguments"),
     -2: (MemoryError, "out of memory"),
-    -3: (FormatError, "empty payload (no mode byte)"),
-    -4: (FormatError, "unknown mode byte"),
+    -3: (PayloadError, "empty payload (no mode byte)"),
+    -4: (PayloadError, "unknown mode byte"),
     -5: (DeltaChainError, "a delta payload needs the base chunk, and none was given"),
-    -6: (FormatError, "not a zstd frame with a content size and no dictionary (or no frame at all)"),
-    -7: (FormatError, "a zstd frame does not decode (corrupt or truncated)"),
-    -8: (FormatError, "the frames do not decode to the chunk's size"),
+    -6: (PayloadError, "not a zstd frame with a content size and no dictionary (or no frame at all)"),
+    -7: (PayloadError, "a zstd frame does not decode (corrupt or truncated)"),
+    -8: (PayloadError, "the frames do not decode to the chunk's size"),
 }
 
 
@@ -100,12 +103,12 @@ def payload_bound(nbytes: int, word: int) -> int:
 
 
 def payload_mode(payload: bytes | memoryview) -> str:
-    """The mode of a payload: ``"full"``, ``"xor"`` or ``"sub"``; raises FormatError for others."""
+    """The mode of a payload: ``"full"``, ``"xor"`` or ``"sub"``; raises PayloadError for others."""
     if len(payload) == 0:
-        raise FormatError("delta payload: empty (no mode byte)")
+        raise PayloadError("delta payload: empty (no mode byte)")
     mode = payload[0]
     if mode not in _MODE_NAMES:
-        raise FormatError(f"delta payload: unknown mode byte {mode} (expected 0 full, 1 xor or 2 sub)")
+        raise PayloadError(f"delta payload: unknown mode byte {mode} (expected 0 full, 1 xor or 2 sub)")
     return _MODE_NAMES[mode]
 
 
@@ -129,7 +132,7 @@ def _check_words(new: np.ndarray, base: np.ndarray | None, what: str) -> int:
 
 
 def _raise_c(rc: int, what: str) -> None:
-    cls, text = _C_ERRORS.get(rc, (FormatError, f"error {rc}"))
+    cls, text = _C_ERRORS.get(rc, (PayloadError, f"error {rc}"))
     if cls is MemoryError:
         raise MemoryError(f"{what}: {text}")
     raise cls(f"{what}: {text}")
@@ -232,9 +235,10 @@ def decode_chunk(
 
     Raises
     ------
-    FormatError
-        Empty or truncated payload, unknown mode byte, frames that are not zstd frames with a content
-        size, frames that fail to decode, or decoded size different from the chunk's.
+    PayloadError
+        (``integrity_error``, also a FormatError) Empty or truncated payload, unknown mode byte, frames
+        that are not zstd frames with a content size, frames that fail to decode, or decoded size
+        different from the chunk's.
     DeltaChainError
         A delta payload without a base, or a base that does not match ``out``.
     """
@@ -249,3 +253,26 @@ def decode_chunk(
     rc, mode = _native().decode(payload, base, out, out.dtype.itemsize)
     if rc != 0:
         _raise_c(rc, f"delta payload (mode byte {mode})" if rc == -4 else "delta payload")
+
+
+def check_payload(payload: bytes | memoryview | bytearray, itemsize: int, inner_nbytes: int,
+                  encoding: str) -> None:
+    """Check one stored payload (crc32c verified and removed) as a reader would decode it, without its
+    base (spec/delta.md §5.4, §7 check 6): its mode is 0 or the array's ``encoding``'s, and its frames
+    decode to exactly ``inner_nbytes``.
+
+    Raises
+    ------
+    PayloadError
+        (``integrity_error``) The payload does not decode to exactly its inner chunk.
+    """
+    mode = payload_mode(payload)
+    if mode not in ("full", encoding):
+        raise PayloadError(f"delta payload: mode {_MODE_NAMES_REV[mode]} ({mode}) is neither 0 (full) nor "
+                           f"that of the array's encoding {encoding!r}")
+    word = word_dtype(itemsize)
+    scratch = np.zeros(inner_nbytes // word.itemsize, word)
+    decode_chunk(payload, scratch, scratch)
+
+
+_MODE_NAMES_REV = {v: k for k, v in _MODE_NAMES.items()}

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ucl.errors import FormatError, SchemaError
+from ucl.errors import FormatError, InconsistentMetadataError, SchemaError
 
 __all__ = [
     "CODEC_NAME",
@@ -107,7 +107,7 @@ def parse_codec(codec: Any, record: DeltaRecord, what: str = "ucl.delta codec") 
         raise SchemaError(f"{what}: must_understand cannot be false (a reader must not skip the delta codec)")
     conf = _keys(codec["configuration"], f"{what} configuration", {"encoding", "base_step"})
     if record.mode != "chunked" or conf != {"encoding": record.encoding, "base_step": record.base_step}:
-        raise FormatError(
+        raise InconsistentMetadataError(
             f"{what}: configuration {conf} disagrees with the array's delta record {record.to_dict()}"
         )
 

@@ -7,12 +7,15 @@ the data. It reads through the repository's own checked accessors (``commit_reco
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator
 from typing import Any
 
 from ucl.delta.chain import DEFAULT_MAX_CHAIN, ArrayInfo, StepInfo, resolve_array_chain, resolve_chain
+from ucl.delta.codec import check_payload
 from ucl.errors import DeltaChainError, IntegrityError, UCLError
 from ucl.format.records import DeltaRecord, parse_codec
+from ucl.format.repository import step_prefix
 
 __all__ = ["validate_chain"]
 
@@ -83,7 +86,7 @@ def validate_chain(
             if (
                 isinstance(cause, UCLError)
                 and not isinstance(cause, DeltaChainError)
-                and cause.code in ("schema_violation", "format_error")
+                and cause.code in ("schema_violation", "inconsistent_metadata")
                 and (step, name) not in bad_records
             ):
                 bad_records.add((step, name))
@@ -109,7 +112,9 @@ def validate_chain(
                     continue
                 checked.add((link.step, rel))
                 try:
-                    repo.read_verified(link.step, rel, rec, n_inner=arr.n_inner)
+                    data = repo.read_verified(link.step, rel, rec, n_inner=arr.n_inner)
+                    if link.delta is not None and link.delta.encoding is not None:  # check 7: as check 6
+                        check_delta_shard(data, arr, f"{step_prefix(link.step)}/{rel}")
                 except IntegrityError as e:
                     yield DeltaChainError(
                         f"step {step} depends on step {link.step}, whose tensor {name!r} is corrupt: "
@@ -117,3 +122,20 @@ def validate_chain(
                         tensor=name,
                         file=e.file,
                     )
+
+
+def check_delta_shard(data: bytes, arr: Any, key: str) -> None:
+    """Every present payload of a chunked array's shard (its digest verified) decodes (spec/delta.md §7)."""
+    n = arr.n_inner
+    if len(data) < 16 * n + 4:  # read_verified checked size and digest; nothing here to decode
+        return
+    index = data[len(data) - 16 * n - 4 : len(data) - 4]
+    encoding = arr.delta["encoding"]
+    for ordinal in range(n):
+        off, nb = struct.unpack_from("<QQ", index, 16 * ordinal)
+        if off == (1 << 64) - 1:
+            continue
+        try:
+            check_payload(memoryview(data)[off : off + nb - 4], arr.itemsize, arr.inner_nbytes, encoding)
+        except IntegrityError as e:
+            raise type(e)(f"{key}: inner chunk {ordinal}: {e.message}", tensor=arr.name, file=key) from None
