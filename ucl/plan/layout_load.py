@@ -10,10 +10,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ucl.errors import InconsistentMetadataError, LayoutError, LayoutShapeError, TensorNotFoundError
+from ucl.errors import InconsistentMetadataError, LayoutError, LayoutShapeError, TensorNotFoundError, UCLError
 from ucl.layout.boxes import Box, View, contiguous_runs, full, intersect, numel
 from ucl.layout.mesh import Mesh
-from ucl.layout.model import Layout
+from ucl.layout.model import Layout, check_mesh
 from ucl.layout.resolve import LocalTensor, Piece, expected_local
 from ucl.plan.items import ArraySpec, LoadPlan, ReadItem
 
@@ -57,11 +57,12 @@ class LogicalIndex:
         for t, maps in self.maps.items():  # replicas: the first map of a box wins
             seen: set[Box] = set()
             self.maps[t] = [m for m in maps if not (m.box in seen or seen.add(m.box))]  # type: ignore[func-returns-value]
+            _check_tiling(t, self.tensors[t][0], self.maps[t])
 
     def _tensor(self, name: str, shape: tuple[int, ...], dtype: str, array: str) -> None:
         old = self.tensors.setdefault(name, (shape, dtype))
-        if old != (shape, dtype):
-            raise LayoutShapeError(
+        if old != (shape, dtype):  # records of one step disagree (spec/layout.md §6.3)
+            raise InconsistentMetadataError(
                 f"array {array!r} gives tensor {name!r} shape {list(shape)} {dtype}; another "
                 f"array gives {list(old[0])} {old[1]}",
                 tensor=name,
@@ -124,6 +125,33 @@ class LogicalIndex:
             else:
                 out.extend((m.array, sb, rb, 0) for sb, rb in pieces)
         return out
+
+
+def _check_tiling(name: str, shape: tuple[int, ...], maps: list[_Map]) -> None:
+    """The maps of a tensor (replicas removed) tile it exactly (spec/layout.md §6.4): their boxes hold
+    as many elements as the tensor and no two of them meet. Otherwise a read would return fill values
+    for the elements no map holds, or two values for one element."""
+    total = sum(numel(m.box) for m in maps)
+    if total != math.prod(shape):
+        raise InconsistentMetadataError(
+            f"the maps of tensor {name!r} hold {total} elements; its shape {list(shape)} holds "
+            f"{math.prod(shape)} (elements without a map, or held twice)",
+            tensor=name,
+        )
+    if not shape:
+        return
+    boxes = sorted((m.box for m in maps if numel(m.box)), key=lambda b: b[0][0])
+    active: list[Box] = []  # boxes whose dim-0 range reaches past the current start
+    for b in boxes:
+        active = [a for a in active if a[0][0] + a[1][0] > b[0][0]]
+        for a in active:
+            if intersect(a, b) is not None:
+                raise InconsistentMetadataError(
+                    f"two maps of tensor {name!r} hold the same elements: boxes "
+                    f"{[list(a[0]), list(a[1])]} and {[list(b[0]), list(b[1])]}",
+                    tensor=name,
+                )
+        active.append(b)
 
 
 def _check_map(
@@ -253,4 +281,38 @@ def _read_piece(index: LogicalIndex, lt: LocalTensor, p: Piece) -> list[ReadItem
         lbox = (tuple(a + b for a, b in zip(p.local_box[0], rbox[0], strict=True)), rbox[1])
         reduce = "sum" if kwargs.get("sum_partial") and k > 0 else None
         out.append(ReadItem(array, sbox, lt.name, lbox, p.view, reduce))
+    return out
+
+
+def check_step(
+    arrays: Mapping[str, ArraySpec], layout: Any = None, mesh: Any = None
+) -> list[UCLError]:
+    """The problems a validator reports for a layout step (spec/layout.md §6.6, §6.8), in that order:
+    the first problem of its records (§6.6: each map against its record and array, the records'
+    agreement, the tiling of every tensor), then its layout document (``invalid_layout``), its mesh
+    (``invalid_layout``) and their fit (``mesh_mismatch``). A step without a layout, a mesh and records
+    has none. ``arrays``: the step's arrays; ``layout``, ``mesh``: its ``attributes.ucl`` values."""
+    out: list[UCLError] = []
+    if any(spec.logical for spec in arrays.values()):
+        try:
+            LogicalIndex(arrays)
+        except UCLError as e:
+            out.append(e)
+    if layout is None and mesh is None:
+        return out
+    if layout is None or mesh is None:
+        out.append(InconsistentMetadataError(
+            f"the step records a {'mesh' if layout is None else 'layout'} without a "
+            f"{'layout' if layout is None else 'mesh'} (spec/layout.md §6.8)"))
+        return out
+    try:
+        lay = Layout.from_dict(layout)
+        msh = Mesh.from_dict(mesh)
+    except UCLError as e:
+        out.append(e)
+        return out
+    try:
+        check_mesh(lay, msh)
+    except UCLError as e:
+        out.append(e)
     return out

@@ -325,7 +325,11 @@ def merge_plans(plans: Sequence[RankPlan]) -> dict[str, ArraySpec]:
 
 
 def stored_chunks(spec: ArraySpec) -> set[tuple[int, ...]]:
-    """The chunks of an array that hold data (those some rank writes)."""
+    """The chunks of an array that hold data (spec/layout.md §6.5: those some rank writes).
+
+    Never fails and never looks past the chunk grid: a map that does not fit the array (another rank,
+    a box past its end) adds only the chunks of the grid it meets; the record checks
+    (:func:`ucl.plan.layout_load.check_step`, spec/layout.md §6.6) report it."""
     grid = spec.grid
     if not spec.logical:
         if any(g == 0 for g in grid):
@@ -333,25 +337,28 @@ def stored_chunks(spec: ArraySpec) -> set[tuple[int, ...]]:
         return {tuple(i) for i in _product(grid)}
     out: set[tuple[int, ...]] = set()
     lead = spec.logical.get("partial", {}).get("count")
-    for m in spec.logical["maps"]:
+    inner_grid = grid[1:] if lead else grid
+    chunks = spec.chunk_shape[1:] if lead else spec.chunk_shape
+    leads = range(min(lead, grid[0])) if lead and grid else range(0)
+    for m in spec.logical.get("maps", []):
+        at, shape = tuple(m["at"]), tuple(m["box"][1])
         if "view" in m:
-            lo, hi = span(
-                (m["view"]["offset"], tuple(m["view"]["shape"])), (tuple(m["at"]), tuple(m["box"][1]))
-            )
+            vshape = tuple(m["view"]["shape"])
+            if len(grid) != 1 or len(vshape) != len(at) or len(at) != len(shape):
+                continue
+            lo, hi = span((m["view"]["offset"], vshape), (at, shape))
             if hi > lo:
-                out.update(
-                    (i,) for i in range(lo // spec.chunk_shape[0], (hi - 1) // spec.chunk_shape[0] + 1)
-                )
+                c = spec.chunk_shape[0]
+                out.update((i,) for i in range(lo // c, min(grid[0], (hi - 1) // c + 1)))
             continue
-        shape = m["box"][1]
-        if any(n == 0 for n in shape):
+        if len(at) != len(inner_grid) or len(shape) != len(inner_grid) or any(n == 0 for n in shape):
             continue
         ranges = [
-            range(a // c, (a + n - 1) // c + 1)
-            for a, n, c in zip(m["at"], shape, spec.chunk_shape[1 if lead else 0 :], strict=True)
+            range(a // c, min(g, (a + n - 1) // c + 1))
+            for a, n, c, g in zip(at, shape, chunks, inner_grid, strict=True)
         ]
         for idx in _product_ranges(ranges):
-            out.update(((k, *idx) for k in range(lead)) if lead else [idx])
+            out.update(((k, *idx) for k in leads) if lead else [idx])
     return out
 
 

@@ -14,8 +14,6 @@ import struct
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
-
 from ucl.delta import codec as delta_codec
 from ucl.delta.chain import DEFAULT_MAX_CHAIN
 from ucl.errors import (
@@ -35,6 +33,7 @@ from ucl.format.shardfile import EMPTY, decode_chunk, index_nbytes, inner_chunks
 from ucl.io import native as _native
 from ucl.io.ranges import Lease
 from ucl.options import DEFAULT_READ, ReadOptions
+from ucl.plan.layout_load import check_step as check_layout_step
 from ucl.plan.layout_save import stored_chunks
 from ucl.plan.save import spec_for_meta
 from ucl.read.files import StepFiles, step_files, truncated
@@ -139,6 +138,9 @@ def _validate_step(repo: Repository, step: int, report: Report, checksums: bool,
         report.add(e, step)
         return
     files = step_files(repo.store, step, record, options)
+    # the logical records and the step's layout and mesh (spec/layout.md §6.6, §6.8); none for plain steps
+    for e in check_layout_step({n: spec_for_meta(a) for n, a in meta.arrays.items()}, meta.layout, meta.mesh):
+        report.add(e, step)
     expected_files = {"zarr.json"}
     for name, arr in meta.arrays.items():
         expected_files.add(f"{arr.key}/zarr.json")
@@ -239,8 +241,7 @@ def _check_shard(repo: Repository, files: StepFiles, record: CommitRecord, arr: 
     data = got.view if isinstance(got, Lease) else got
     # a delta payload is decoded as the reader decodes it (frames, sizes), into scratch words: its values
     # need the base, its decodability does not
-    scratch = (np.zeros(arr.inner_nbytes // arr.itemsize, delta_codec.word_dtype(arr.itemsize))
-               if arr.delta is not None else None)
+    encoding = arr.inner_codecs()[0]["configuration"]["encoding"] if arr.delta is not None else None
     try:
         _check_presence(arr, coords, index, key)
         crcs = []
@@ -258,13 +259,13 @@ def _check_shard(repo: Repository, files: StepFiles, record: CommitRecord, arr: 
                     raise ChecksumError(f"shard {key}: an inner chunk at offset {off} of tensor {arr.name!r} fails "
                                         "its crc32c", tensor=arr.name, file=key)
                 crcs.append(stored)
-                if scratch is not None:  # validate vouches only for what load decodes
+                if encoding is not None:  # validate vouches only for what load decodes (spec/delta.md §7, check 6)
                     try:
-                        delta_codec.decode_chunk(view[: nb - 4], scratch, scratch)
-                    except UCLError as e:
-                        raise DeltaChainError(f"shard {key}: the delta payload of inner chunk {ordinal} of tensor "
-                                              f"{arr.name!r} does not decode: [{e.code}] {e.message}",
-                                              tensor=arr.name, file=key) from None
+                        delta_codec.check_payload(view[: nb - 4], arr.itemsize, arr.inner_nbytes, encoding)
+                    except delta_codec.PayloadError as e:
+                        raise delta_codec.PayloadError(f"shard {key}: the delta payload of inner chunk {ordinal} of "
+                                                       f"tensor {arr.name!r} does not decode: {e.message}",
+                                                       tensor=arr.name, file=key) from None
                 elif arr.compression is not None:  # a chunk that does not decode is as unreadable as a bad crc
                     decode_chunk(arr, view[: nb - 4], key, (ordinal,))
             finally:
