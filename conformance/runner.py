@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -80,6 +81,7 @@ class Adapter(ABC):
 
     name = "adapter"
     expected_failures: dict[str, str] = {}
+    level = 1  # 0: spec/core.md only; 1: also spec/layout.md and spec/delta.md (core.md §1)
 
     @abstractmethod
     def validate(self, path: str, step: int | None) -> tuple[bool, list[str]]:
@@ -191,6 +193,7 @@ class SubprocessAdapter(Adapter):
         hello = self._call("hello")
         self.name = str(hello.get("name", command[0]))
         self.expected_failures = dict(hello.get("expected_failures", {}))
+        self.level = int(hello.get("level", 1))
 
     def _call(self, op: str, **kw: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -262,6 +265,7 @@ def serve(adapter: Adapter, stdin: Any = None, stdout: Any = None) -> None:
                 result: dict[str, Any] = {
                     "name": adapter.name,
                     "expected_failures": adapter.expected_failures,
+                    "level": adapter.level,
                 }
             elif op == "validate":
                 ok, codes = adapter.validate(req["path"], req.get("step"))
@@ -296,11 +300,12 @@ class Case:
     feature: str
     index: int
     description: str
-    spec_section: str
+    spec: str
     fixture: str
     operation: str
     args: dict[str, Any]
     expected: dict[str, Any]
+    level: int = 0
 
     @property
     def id(self) -> str:
@@ -338,11 +343,12 @@ def load_cases(cases_dir: Path = CASES_DIR, check_schema: bool = True) -> list[C
                     f.stem,
                     i,
                     c["description"],
-                    c["spec_section"],
+                    c["spec"],
                     c["fixture"],
                     c["operation"],
                     c["args"],
                     c["expected"],
+                    c.get("level", 0),
                 )
             )
     return out
@@ -403,6 +409,10 @@ def judge(
     exp = case.expected
     verdict, code = exp["verdict"], exp.get("code")
     allowed = set(exp.get("may_fail_with", []))
+    # a Level-0 implementation refuses what it does not implement with unknown_extension (core.md §9 item 3)
+    beyond = case.level > adapter.level
+    if beyond:
+        allowed.add("unknown_extension")
     a = case.args
     step = a.get("step")
     try:
@@ -436,7 +446,7 @@ def judge(
             return False, f"expected valid, got invalid {sorted(set(codes))}"
         if ok:
             return False, f"expected invalid ({code}), got valid"
-        if code in codes:
+        if code in codes or (beyond and "unknown_extension" in codes):
             return True, ""
         return False, f"expected code {code}, got {sorted(set(codes))}"
     if verdict == "error":
@@ -480,6 +490,47 @@ class Summary:
     lines: list[str] = field(default_factory=list)
 
 
+# -- citations -------------------------------------------------------------------------------------------
+SPEC_DIR = HERE.parent / "spec"
+_CITATION = re.compile(r"^(?P<file>[a-z]+\.md) §(?P<section>[0-9]+(?:\.[0-9]+)*)(?: item (?P<item>[0-9]+))?")
+_HEADING = re.compile(r"^#{2,4} (?P<section>[0-9]+(?:\.[0-9]+)*)\.? ")
+
+
+def spec_sections(text: str) -> dict[str, str]:
+    """The numbered sections of a spec file: number -> its text up to the next heading."""
+    out: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if line.startswith("#"):
+            m = _HEADING.match(line)
+            current = out.setdefault(m["section"], []) if m else None
+        elif current is not None:
+            current.append(line)
+    return {k: "\n".join(v) for k, v in out.items()}
+
+
+def check_citations(cases: list[Case], spec_dir: Path = SPEC_DIR) -> list[str]:
+    """Every case's ``spec`` names a section that exists in spec/<file>, and the numbered item it names
+    is in that section: the runner's self-test (``--self-test``), so that no citation can point nowhere."""
+    sections: dict[str, dict[str, str]] = {}
+    problems = []
+    for c in cases:
+        m = _CITATION.match(c.spec)
+        if m is None:
+            problems.append(f"{c.id}: citation {c.spec!r} is not '<file>.md §<section>[ item <n>]'")
+            continue
+        f = m["file"]
+        if f not in sections:
+            path = spec_dir / f
+            sections[f] = spec_sections(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        body = sections[f].get(m["section"])
+        if body is None:
+            problems.append(f"{c.id}: {c.spec!r}: spec/{f} has no section {m['section']}")
+        elif m["item"] and not re.search(rf"^\s*{m['item']}\. ", body, re.MULTILINE):
+            problems.append(f"{c.id}: {c.spec!r}: section {m['section']} of spec/{f} has no item {m['item']}")
+    return problems
+
+
 def summarize(outcomes: list[Outcome], verbose: bool = False) -> Summary:
     s = Summary()
     for o in outcomes:
@@ -518,11 +569,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-k", dest="filter", help="only cases whose feature or id contains this")
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per case")
     ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument(
+        "--self-test", action="store_true", help="check the suite itself: every case's spec citation exists"
+    )
     a = ap.parse_args(argv)
     if a.serve:
         serve(UclAdapter())
         return 0
     cases = load_cases(a.cases)
+    if a.self_test:
+        problems = check_citations(cases)
+        print("\n".join(problems) or f"{len(cases)} cases, every citation exists")
+        return 1 if problems else 0
     if a.filter:
         cases = [c for c in cases if a.filter in c.id or a.filter in c.feature]
     adapter: Adapter = (

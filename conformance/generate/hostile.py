@@ -17,7 +17,7 @@ import numcodecs
 import torch
 
 from .fixture import EMPTY64, Fx, multi, random_tensor, rename_key, tiny
-from .suite import S_COMMIT, S_INTEGRITY, S_LAYOUT, S_LIMITS, S_NAMES, S_SHARD, S_STEP_DOC, Cases, sha
+from .suite import S_COMMIT, S_INTEGRITY, S_JSON, S_LAYOUT, S_LIMITS, S_NAMES, S_SHARD, S_STEP_DOC, Cases
 
 
 def deep_attr(d: dict[str, Any]) -> None:
@@ -475,25 +475,9 @@ def parsers(root: Path, cases: Cases) -> None:
     f, st = tiny(root, fx)
 
     f.edit_array(1, "w", deep_attr)
-    cases.add(
-        "a user attribute nested 800 levels deep: valid, or refused as too deep, never a crash",
-        S_LIMITS,
-        fx,
-        "validate",
-        verdict="valid",
-        may_fail_with=["limit_exceeded"],
-    )
-    cases.add(
-        "reading next to an 800-level attribute",
-        S_LIMITS,
-        fx,
-        "read",
-        {"tensor": "w"},
-        verdict="valid",
-        data_sha256=sha(st["w"]),
-        shape=[4, 3],
-        may_fail_with=["limit_exceeded"],
-    )
+    cases.invalid("a user attribute nested 800 levels deep (the limit is 128)", S_JSON, fx, "limit_exceeded")
+    cases.broken_read(fx, "w", "limit_exceeded", "next to an 800-level attribute (never a stack overflow)",
+                      section=S_JSON)
 
     fx = "hostile/huge_integer_literal"
     f, st = tiny(root, fx)

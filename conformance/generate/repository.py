@@ -32,7 +32,7 @@ def build(root: Path, cases: Cases) -> None:
     f.put("commits/007.json", f.read("commits/7.json"))  # not S in decimal without leading zeros
     cases.valid(
         "committed steps listed in order; uncommitted files, temporaries and odd names ignored",
-        S_COMMIT,
+        "core.md §3 item 5",
         fx,
         "list_steps",
         steps=[0, 7, 30],

@@ -3,7 +3,10 @@
 ``Suite`` collects the cases of every case file (``cases/<feature>.json``) in declaration order; ``Cases``
 declares those of one file, with the shorthands the feature modules use (a valid result, an invalid
 verdict, an error, one read case per tensor). Expected data is the sha256 of the little-endian bytes of
-the *original* tensors, never of what a reader returned. The spec sections cases cite are named here.
+the *original* tensors, never of what a reader returned. The spec sections cases cite are named here:
+a module names the section of its feature, and :func:`cite` narrows it to the section, or numbered
+item, that states the expected code's condition (spec/core.md §10.1 names it for every code), so that
+each case's verdict follows from its ``spec`` citation.
 """
 
 from __future__ import annotations
@@ -25,9 +28,94 @@ S_TREE = "core.md §5.3 Structure tree"
 S_ARRAYS = "core.md §6 Arrays"
 S_SHARD = "core.md §6.1 Shard encoding"
 S_COMMIT = "core.md §7 Commit protocol"
-S_INTEGRITY = "core.md §8 Integrity"
-S_LIMITS = "core.md §8.4 Integrity (limits)"
+S_INTEGRITY = "core.md §8 item 1"
+S_LIMITS = "core.md §8 item 4"
 S_EXT = "core.md §9 Extensions and versioning"
+S_JSON = "core.md §3.4 Documents: the JSON profile"
+S_ZSTD = "core.md §6.2 The zstd codec"
+
+# Where each code's condition is stated (spec/core.md §10.1), for cases whose module names a core.md
+# section: the default per code, and the fixtures whose defect is stated elsewhere.
+_BY_CODE = {
+    "not_found": "core.md §7 item 6",
+    "not_committed": "core.md §7 item 6",
+    "tensor_not_found": "core.md §5.3 item 3",
+    "schema_violation": "core.md §3.4 item 4",
+    "unsupported_version": "core.md §9 item 1",
+    "unknown_extension": "core.md §9 item 2",
+    "invalid_name": "core.md §5.2 item 3",
+    "unsupported_dtype": "core.md §6 item 7",
+    "limit_exceeded": "core.md §3.4 item 2",
+    "inconsistent_metadata": "core.md §5.1",
+    "checksum_mismatch": "core.md §8 item 1",
+    "missing_shard": "core.md §8 item 5",
+    "size_mismatch": "core.md §8 item 1",
+    "corrupt_shard_index": "core.md §6.1",
+    "corrupt_commit_record": "core.md §7 item 5",
+    "integrity_error": "core.md §6.2 item 3",
+    "invalid_argument": "core.md §10.1",
+    "not_a_file": "core.md §3 item 3",
+}
+_BY_FIXTURE = {
+    # schema_violation
+    "hostile/shape_2_pow_63": "core.md §6 item 1",
+    "hostile/negative_shape": "core.md §6 item 1",
+    "hostile/float_shape": "core.md §3.4 item 3",
+    "hostile/huge_integer_literal": "core.md §3.4 item 3",
+    "invalid/metadata/repository_document_not_ucl": "core.md §3.1",
+    "invalid/metadata/big_endian_bytes_codec": "core.md §6 item 4",
+    "invalid/metadata/no_inner_crc32c": "core.md §6 item 4",
+    "invalid/metadata/no_index_crc32c": "core.md §6 item 4",
+    "invalid/metadata/index_at_start": "core.md §6 item 4",
+    "invalid/metadata/storage_transformer": "core.md §6 item 6",
+    "invalid/metadata/chunk_key_encoding_v2": "core.md §6 item 3",
+    "invalid/metadata/zstd_bad_configuration": "core.md §6.2",
+    "invalid/metadata/step_doc_missing_tree": "core.md §5.1",
+    "invalid/metadata/malformed_tree": "core.md §5.3",
+    # limit_exceeded
+    "hostile/shape_product_overflow": "core.md §6 item 1",
+    "hostile/huge_shape_few_shards": "core.md §6 item 4",
+    "hostile/inner_chunks_2_pow_24": "core.md §6 item 4",
+    "hostile/inner_chunk_over_2_gib": "core.md §6 item 4",
+    "invalid/metadata/tree_too_deep": "core.md §5.3 item 2",
+    # inconsistent_metadata
+    "invalid/metadata/inner_chunk_not_dividing": "core.md §6 item 4",
+    "invalid/metadata/rank_mismatch": "core.md §6 item 1",
+    "invalid/metadata/array_not_in_consolidated": "core.md §5.3 item 1",
+    "invalid/commit/extra_file_entry": "core.md §8 item 3",
+    "invalid/names/name_key_mismatch": "core.md §5.2 item 3",
+    # invalid_name
+    "hostile/symlink_shard_outside": "core.md §3 item 2",
+    "hostile/symlink_commit_outside": "core.md §3 item 2",
+    "hostile/symlink_step_outside": "core.md §3 item 2",
+    "hostile/path_escape_array_key": "core.md §3 item 2",
+    "hostile/path_escape_escaped_slash": "core.md §3 item 2",
+    "hostile/absolute_array_key": "core.md §3 item 2",
+    "hostile/absolute_path_in_commit": "core.md §7 item 5",
+    "hostile/parent_path_in_commit": "core.md §7 item 5",
+    "hostile/backslash_path_in_commit": "core.md §7 item 5",
+    "hostile/nul_in_commit_path": "core.md §7 item 5",
+    "hostile/nul_in_name": "core.md §5.2 item 1",
+    "hostile/nul_in_name_attribute": "core.md §5.2 item 1",
+    "hostile/escape_in_name_attribute": "core.md §5.2 item 1",
+    "hostile/lone_surrogate_in_name": "core.md §5.2 item 1",
+    # not_found, unknown_extension, unsupported_version
+    "invalid/metadata/missing_repository_document": "core.md §3.1",
+    "invalid/metadata/unknown_codec": "core.md §6 item 4",
+    "invalid/metadata/unknown_repository_extension": "core.md §3.1",
+    "invalid/metadata/unsupported_repository_version": "core.md §3.1",
+    "invalid/commit/unknown_must_understand_extension": "core.md §7 item 5",
+    "invalid/commit/unsupported_version": "core.md §7 item 5",
+}
+
+
+def cite(section: str, fixture: str, expected: dict[str, Any]) -> str:
+    """The citation of a case: the section or item of spec/core.md that states the condition of its
+    expected code, or the module's own section (valid results; layout.md and delta.md cases)."""
+    code = expected.get("code")
+    if code is None or not section.startswith("core.md"):
+        return section
+    return _BY_FIXTURE.get(fixture) or _BY_CODE.get(code) or section
 
 # spec sections (spec/delta.md)
 S_GRAD = "delta.md §8 Extension: gradient records"
@@ -69,7 +157,8 @@ class Suite:
         self.by_feature.setdefault(feature, []).append(
             {
                 "description": description,
-                "spec_section": section,
+                "spec": cite(section, fixture, expected),
+                **({"level": 1} if section.startswith(("delta.md", "layout.md")) else {}),
                 "fixture": fixture,
                 "operation": operation,
                 "args": args or {},
