@@ -591,6 +591,16 @@ def print_summary(d: Demo, elapsed: float) -> None:
     for c in failed:
         print(f"  FAILED: {c.name}: {c.detail}")
     print("DEMO OK" if not failed else "DEMO FAILED")
+    used = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(d.root) for f in fs
+               if not os.path.islink(os.path.join(dp, f)))
+    rel = os.path.relpath(d.repo)
+    print(f"\n{used / 1e6:.1f} MB on disk under {os.path.relpath(d.root)}. Try next:")
+    cmds = [f"ucl ls {rel}", f"ucl info {rel}", f"ucl validate {rel}"]
+    steps = ucl.Repository.open(d.repo).steps() if os.path.isdir(d.repo) else []
+    if len(steps) > 1:
+        cmds.append(f"ucl diff {rel}@{steps[0]} @{steps[-1]}")
+    for cmd in cmds:
+        print(f"  .venv/bin/{cmd}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
