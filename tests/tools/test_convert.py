@@ -96,11 +96,11 @@ def test_hf_sharded_directory_imports_and_exports_back_bit_exactly(tmp_path) -> 
 def test_export_splits_by_max_shard_size_like_hugging_face(tmp_path) -> None:
     ts = make_hf_dir(tmp_path / "hf")
     import_checkpoint(tmp_path / "hf", tmp_path / "repo")
-    e = export_safetensors(tmp_path / "repo", tmp_path / "o" / "m.safetensors", max_shard_size=300)
+    e = export_safetensors(tmp_path / "repo", tmp_path / "o", max_shard_size=300)
     names = [os.path.basename(f) for f in e.files]
-    assert names == [f"m-{i:05d}-of-{len(names):05d}.safetensors" for i in range(1, len(names) + 1)]
+    assert names == [f"model-{i:05d}-of-{len(names):05d}.safetensors" for i in range(1, len(names) + 1)]
     assert all(os.path.getsize(f) < 300 + 1024 for f in e.files)
-    index = json.loads((tmp_path / "o" / "m.safetensors.index.json").read_text())
+    index = json.loads((tmp_path / "o" / "model.safetensors.index.json").read_text())
     assert list(index["weight_map"]) == sorted(ts) and set(index["weight_map"].values()) == set(names)
     got = read_dir(tmp_path / "o")
     assert all(bits_equal(got[n], t) for n, t in ts.items())
@@ -216,4 +216,5 @@ def test_export_header_is_8_byte_aligned(tmp_path) -> None:
     export_safetensors(tmp_path / "r", tmp_path / "a.safetensors")
     raw = (tmp_path / "a.safetensors").read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    assert n % 8 == 0 and json.loads(raw[8 : 8 + n]) == {"a": {"dtype": "I8", "shape": [3], "data_offsets": [0, 3]}}
+    assert n % 8 == 0 and json.loads(raw[8 : 8 + n]) == {"__metadata__": {"format": "pt"},
+                                                         "a": {"dtype": "I8", "shape": [3], "data_offsets": [0, 3]}}

@@ -10,7 +10,10 @@ Both directions stream, tensor by tensor:
   record is written last, so an interrupted import commits nothing.
 - **Export** writes each safetensors file's header from the step's metadata (no data read), then each
   tensor's bytes as it is read from the step: one tensor in memory at a time. Files are written under
-  a temporary name and renamed when complete.
+  a temporary name and renamed into place only once all are complete. It writes exactly what it is
+  told: ``NAME.safetensors`` is one file; a directory is the export's own as far as its
+  ``*.safetensors`` and index files go (a previous export's are removed). ``tensors=`` selects a
+  subtree by name prefix and ``strip_prefix=`` turns ``model/...`` back into Hugging Face names.
 
 Nothing is unpickled unsafely: ``torch.save`` files load with ``weights_only=True``; DCP's pickled
 ``.metadata`` is read with an unpickler that admits only DCP's metadata classes, torch sizes and dtypes;
@@ -18,11 +21,14 @@ DCP's non-tensor values load with ``weights_only=True`` and must be JSON-able to
 
 A safetensors import records where each tensor came from (file names, each file's ``__metadata__``,
 the index's ``metadata``) in the step as the extension ``ucl.source`` (``must_understand: false``),
-so that an export reproduces the same files, index and weight map.
+so that an export reproduces the same files, index and weight map. A directory's other files
+(``config.json``, tokenizer files, ...) are kept there too, as UTF-8 text or base64 (never as tensors,
+so readers of the step see the weights only), and an export to a directory writes them back.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import os
@@ -30,14 +36,14 @@ import pickle
 import re
 import struct
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ucl.errors import CheckpointNotFoundError, InvalidArgumentError
-from ucl.format import names, structure
+from ucl.format import dtypes, names, structure
 from ucl.format.metadata import CommitRecord, StepMeta
 from ucl.format.repository import Repository, check_step
 from ucl.format.shardfile import as_bytes
@@ -51,6 +57,11 @@ __all__ = ["export_safetensors", "import_checkpoint", "parse_size", "source_kind
 
 SOURCE_EXTENSION = "ucl.source"
 INDEX_SUFFIX = ".safetensors.index.json"
+FILES_KEY = "files"  # ucl.source: an imported directory's other files, {name: {"text": str} | {"base64": str}}
+KEEP_FILES_BYTES = 64 << 20  # at most this much of them is kept (they live in the step document)
+# files of a model directory that are weights (or pickles), never kept as its "other files"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf", ".npz",
+                    ".npy", ".pkl", ".pickle", ".tmp")
 
 # spec dtype name <-> safetensors dtype tag
 _ST_DTYPES = {"bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16", "int32": "I32",
@@ -134,9 +145,14 @@ class ImportResult:
     tensors: int
     bytes: int
     record: CommitRecord = field(repr=False)
+    kept_files: list[str] = field(default_factory=list)  # a directory's config/tokenizer files, kept in the step
+    skipped_files: list[str] = field(default_factory=list)  # other files past KEEP_FILES_BYTES, not kept
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "source": self.source, "tensors": self.tensors, "bytes": self.bytes}
+        d: dict[str, Any] = {"step": self.step, "source": self.source, "tensors": self.tensors, "bytes": self.bytes}
+        if self.kept_files or self.skipped_files:
+            d.update(kept_files=self.kept_files, skipped_files=self.skipped_files)
+        return d
 
 
 # -- import ----------------------------------------------------------------------------------------
@@ -267,11 +283,47 @@ def _import_safetensors(src: str, dst: Any, step: int | None, so: dict[str, Any]
                         n = builder.add(k, f.get_tensor(k))  # one tensor in memory at a time
                         nbytes += n
                         bar.update(n)
-        ext = {"name": SOURCE_EXTENSION, "must_understand": False, "configuration": {
+        config: dict[str, Any] = {
             "format": "safetensors", "weight_map": weight_map, "file_metadata": file_meta,
-            "index": None if index_name is None else {"name": index_name, "metadata": index_meta}}}
+            "index": None if index_name is None else {"name": index_name, "metadata": index_meta}}
+        kept, skipped = _other_files(folder) if os.path.isdir(src) else ({}, [])
+        if kept:
+            config[FILES_KEY] = kept
+        ext = {"name": SOURCE_EXTENSION, "must_understand": False, "configuration": config}
         record = builder.commit(_flat_tree(list(weight_map)), (ext,))
-        return ImportResult(builder.step, "safetensors", len(weight_map), nbytes, record)
+        return ImportResult(builder.step, "safetensors", len(weight_map), nbytes, record, list(kept), skipped)
+
+
+def _other_files(folder: str) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """An imported directory's files besides its weights (config.json, generation_config.json,
+    tokenizer files, ...), as ``ucl.source`` records them: UTF-8 text as is, other bytes as base64.
+
+    Only plain top-level files: no hidden files, no weights (``*.safetensors``, ``*.bin``, ...), no
+    index. Files past :data:`KEEP_FILES_BYTES` in total (in name order) are returned as skipped.
+    """
+    kept: dict[str, dict[str, str]] = {}
+    skipped: list[str] = []
+    budget = KEEP_FILES_BYTES
+    for fname in sorted(os.listdir(folder)):
+        path = os.path.join(folder, fname)
+        weights_index = fname.endswith(".index.json") and fname[: -len(".index.json")].endswith(_WEIGHT_SUFFIXES)
+        if (not _plain_file_name(fname) or fname.endswith(_WEIGHT_SUFFIXES) or weights_index
+                or not os.path.isfile(path)):
+            continue
+        if os.path.getsize(path) > budget:
+            skipped.append(fname)
+            continue
+        with open(path, "rb") as fh:
+            data = fh.read(budget + 1)
+        if len(data) > budget:
+            skipped.append(fname)
+            continue
+        budget -= len(data)
+        try:
+            kept[fname] = {"text": data.decode("utf-8")}
+        except UnicodeDecodeError:
+            kept[fname] = {"base64": base64.b64encode(data).decode("ascii")}
+    return kept, skipped
 
 
 # torch.save ----------------------------------------------------------------------------------------
@@ -429,145 +481,306 @@ class ExportResult:
     tensors: int
     bytes: int
     skipped_values: list[str]
+    restored_files: list[str] = field(default_factory=list)  # an imported directory's other files, written back
+    removed: list[str] = field(default_factory=list)  # a previous export's safetensors files and index
 
     def to_dict(self) -> dict[str, Any]:
         return {"files": self.files, "index": self.index, "tensors": self.tensors, "bytes": self.bytes,
-                "skipped_values": self.skipped_values}
+                "skipped_values": self.skipped_values, "restored_files": self.restored_files,
+                "removed": self.removed}
+
+
+@dataclass(frozen=True)
+class _Out:
+    """One exported tensor: its name in the step, its spec dtype, shape and size."""
+
+    stored: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
 
 
 @dataclass
 class _FilePlan:
     folder: str
-    files: dict[str, list[str]]  # file name -> tensor names, in write order
+    single: bool  # DST named one file: exactly that file is written
+    files: dict[str, list[str]]  # file name -> exported tensor names
     index_name: str | None
     weight_map: dict[str, str]
     file_meta: dict[str, Any]  # file name -> its __metadata__
     index_meta: dict[str, Any] | None
 
 
-def _plan_files(meta: StepMeta, dst: str, max_shard_size: int | None) -> _FilePlan:
-    """Which tensors go to which file: the recorded source layout, else Hugging Face's greedy split."""
-    if dst.endswith(".safetensors"):
-        folder, base = os.path.dirname(dst) or ".", os.path.basename(dst)
-    else:
-        folder, base = dst, "model.safetensors"
-    source = next((e.get("configuration", {}) for e in meta.extensions if e.get("name") == SOURCE_EXTENSION), None)
-    weight_map = source.get("weight_map") if source and source.get("format") == "safetensors" else None
-    if max_shard_size is None and isinstance(weight_map, dict) and weight_map and set(weight_map) == set(meta.arrays):
-        assert source is not None
-        files: dict[str, list[str]] = {}
-        for name, fname in weight_map.items():
-            files.setdefault(fname, []).append(name)
-        recorded_meta = source.get("file_metadata") or {}
-        index = source.get("index")
-        if index is None and len(files) == 1:
-            only = next(iter(files))
-            return _FilePlan(folder, {base: files[only]}, None, {n: base for n in files[only]},
-                             {base: recorded_meta.get(only)}, None)
-        index_name = f"{base}.index.json" if dst.endswith(".safetensors") or not index else index["name"]
-        return _FilePlan(folder, files, index_name, dict(weight_map), dict(recorded_meta),
-                         (index or {}).get("metadata"))
+_PT_METADATA = {"format": "pt"}  # what transformers' save_pretrained writes, and some loaders require
+
+
+def _prefix_list(tensors: str | Sequence[str] | None) -> list[str] | None:
+    if tensors is None:
+        return None
+    prefixes = [tensors] if isinstance(tensors, str) else list(tensors)
+    if not prefixes or not all(isinstance(p, str) and p for p in prefixes):
+        raise InvalidArgumentError(f"tensors (--tensors) must be non-empty name prefixes, got {tensors!r}")
+    return prefixes
+
+
+def _select(ckpt: Any, prefixes: list[str] | None, strip_prefix: str | None) -> dict[str, _Out]:
+    """Exported name -> tensor: the step's tensors whose names begin with one of ``prefixes`` (all when
+    None), each with ``strip_prefix`` removed from the front of its name."""
+    names_all = list(ckpt.keys())
+    chosen = names_all
+    if prefixes is not None:
+        for p in prefixes:
+            if not any(n.startswith(p) for n in names_all):
+                tops = sorted({n.split("/", 1)[0] + ("/" if "/" in n else "") for n in names_all})
+                raise InvalidArgumentError(
+                    f"tensors (--tensors) {p!r} selects no tensor of step {ckpt.step}; its names begin with "
+                    + (", ".join(repr(t) for t in tops[:12]) + (" ..." if len(tops) > 12 else "") if tops else
+                       "nothing (it holds no tensors)"))
+        chosen = [n for n in names_all if any(n.startswith(p) for p in prefixes)]
+    if strip_prefix is not None:
+        if not isinstance(strip_prefix, str) or not strip_prefix:
+            raise InvalidArgumentError("strip_prefix (--strip-prefix) must be a non-empty string, got "
+                                       f"{strip_prefix!r}")
+        bad = [n for n in chosen if not n.startswith(strip_prefix)]
+        if bad:
+            raise InvalidArgumentError(
+                f"strip_prefix (--strip-prefix) {strip_prefix!r} does not begin tensor {bad[0]!r} "
+                f"({len(bad)} of {len(chosen)} selected tensor(s)); select the subtree with tensors (--tensors) "
+                f"{strip_prefix!r}", tensor=bad[0])
+        empty = next((n for n in chosen if n == strip_prefix), None)
+        if empty is not None:
+            raise InvalidArgumentError(f"strip_prefix (--strip-prefix) {strip_prefix!r} is the whole name of tensor "
+                                       f"{empty!r}: nothing would be left to name it", tensor=empty)
+    out: dict[str, _Out] = {}
+    for n in chosen:
+        t = ckpt[n]
+        stored = ckpt.meta.arrays.get(n)
+        dtype = stored.dtype if stored is not None and not stored.logical else dtypes.from_torch(t.dtype, n)
+        out[n[len(strip_prefix):] if strip_prefix else n] = _Out(n, dtype, tuple(t.shape), t.nbytes)
+    return out
+
+
+def _source(meta: StepMeta) -> dict[str, Any] | None:
+    src = next((e.get("configuration", {}) for e in meta.extensions if e.get("name") == SOURCE_EXTENSION), None)
+    return src if isinstance(src, dict) and src.get("format") == "safetensors" else None
+
+
+def _is_file_target(dst: str) -> bool:
+    return dst.endswith(".safetensors") and not os.path.isdir(dst)
+
+
+def _plan_files(meta: StepMeta, outs: dict[str, _Out], dst: str, max_shard_size: int | None) -> _FilePlan:
+    """Which tensors go to which file: one file when DST names one; in a directory the recorded source
+    layout, else Hugging Face's greedy split."""
+    single = _is_file_target(dst)
+    folder, base = (os.path.dirname(dst) or ".", os.path.basename(dst)) if single else (dst, "model.safetensors")
+    source = _source(meta)
+    weight_map = source.get("weight_map") if source else None
+    recorded = isinstance(weight_map, dict) and bool(weight_map) and set(weight_map) == set(outs)
+    recorded_meta: dict[str, Any] = (source or {}).get("file_metadata") or {}
     limit = max_shard_size if max_shard_size is not None else 5 * 10**9
     groups: list[list[str]] = [[]]
     size = 0
-    for name, a in meta.arrays.items():
-        if groups[-1] and size + a.nbytes > limit:
+    for name, o in outs.items():
+        if groups[-1] and size + o.nbytes > limit:
             groups.append([])
             size = 0
         groups[-1].append(name)
-        size += a.nbytes
+        size += o.nbytes
+    if single:
+        if max_shard_size is not None and len(groups) > 1:
+            total = sum(o.nbytes for o in outs.values())
+            raise InvalidArgumentError(
+                f"{dst} names one file, but the {len(outs)} tensor(s) exported are {total} bytes, more than "
+                f"max_shard_size (--max-shard-size) {max_shard_size} allows in one file; export to a directory to "
+                "write shards with an index, or drop the limit", file=dst)
+        fmeta: Any = _PT_METADATA
+        if recorded:
+            assert isinstance(weight_map, dict)
+            metas = [recorded_meta.get(f) for f in dict.fromkeys(weight_map.values())]
+            if all(m == metas[0] for m in metas):
+                fmeta = metas[0]  # the source's own metadata: a one-file source comes back byte for byte
+        return _FilePlan(folder, True, {base: list(outs)}, None, {n: base for n in outs}, {base: fmeta}, None)
+    if max_shard_size is None and recorded:
+        assert source is not None and isinstance(weight_map, dict)
+        files: dict[str, list[str]] = {}
+        for name, fname in weight_map.items():
+            files.setdefault(fname, []).append(name)
+        index = source.get("index")
+        if index is None and len(files) == 1:
+            only = next(iter(files))
+            return _FilePlan(folder, False, {base: files[only]}, None, {n: base for n in files[only]},
+                             {base: recorded_meta.get(only)}, None)
+        index_name = index["name"] if index else f"{base}.index.json"
+        return _FilePlan(folder, False, files, index_name, dict(weight_map),
+                         {f: recorded_meta.get(f) for f in files}, (index or {}).get("metadata"))
     if len(groups) == 1:
-        return _FilePlan(folder, {base: groups[0]}, None, {n: base for n in groups[0]}, {}, None)
+        return _FilePlan(folder, False, {base: groups[0]}, None, {n: base for n in groups[0]}, {base: _PT_METADATA},
+                         None)
     stem = base[: -len(".safetensors")]
     files = {f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors": g for i, g in enumerate(groups)}
     wm = {n: f for f, g in files.items() for n in g}
-    return _FilePlan(folder, files, f"{base}.index.json", dict(sorted(wm.items())), {}, None)
+    return _FilePlan(folder, False, files, f"{base}.index.json", dict(sorted(wm.items())),
+                     {f: _PT_METADATA for f in files}, None)
 
 
-def _st_order(meta: StepMeta, tensor_names: list[str]) -> list[str]:
+def _st_order(outs: dict[str, _Out], tensor_names: list[str]) -> list[str]:
     """The order safetensors' writer gives these tensors (so a round trip reproduces its files byte for byte)."""
     for name in tensor_names:
-        if meta.arrays[name].dtype not in _ST_DTYPES:
-            raise InvalidArgumentError(f"tensor {name!r} is {meta.arrays[name].dtype}, which safetensors cannot hold",
-                                       tensor=name)
-    return sorted(tensor_names, key=lambda n: (-_ST_RANK[_ST_DTYPES[meta.arrays[n].dtype]], n))
+        if outs[name].dtype not in _ST_DTYPES:
+            raise InvalidArgumentError(f"tensor {outs[name].stored!r} is {outs[name].dtype}, which safetensors cannot "
+                                       "hold", tensor=outs[name].stored)
+    return sorted(tensor_names, key=lambda n: (-_ST_RANK[_ST_DTYPES[outs[n].dtype]], n))
 
 
-def _header(meta: StepMeta, tensor_names: list[str], file_meta: dict[str, str] | None) -> bytes:
+def _header(outs: dict[str, _Out], tensor_names: list[str], file_meta: dict[str, str] | None) -> bytes:
     header: dict[str, Any] = {}
     if file_meta:
         header["__metadata__"] = {str(k): str(v) for k, v in file_meta.items()}
     offset = 0
     for name in tensor_names:
-        a = meta.arrays[name]
-        header[name] = {"dtype": _ST_DTYPES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
+        o = outs[name]
+        header[name] = {"dtype": _ST_DTYPES[o.dtype], "shape": list(o.shape),
+                        "data_offsets": [offset, offset + o.nbytes]}
+        offset += o.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # as safetensors does: data starts 8-byte aligned
     return struct.pack("<Q", len(raw)) + raw
 
 
+def _restorable(meta: StepMeta) -> dict[str, bytes]:
+    """The other files of an imported directory (config, tokenizer, ...) recorded in ``ucl.source``."""
+    source = _source(meta)
+    recorded = (source or {}).get(FILES_KEY) or {}
+    out: dict[str, bytes] = {}
+    for fname, entry in recorded.items() if isinstance(recorded, dict) else ():
+        if (not isinstance(fname, str) or not _plain_file_name(fname) or _owned(fname)
+                or not isinstance(entry, dict)):
+            raise InvalidArgumentError(f"the step's {SOURCE_EXTENSION} extension records a file {fname!r} that is not "
+                                       "a plain file name besides the weights")
+        if isinstance(entry.get("text"), str):
+            out[fname] = entry["text"].encode("utf-8")
+        elif isinstance(entry.get("base64"), str):
+            try:
+                out[fname] = base64.b64decode(entry["base64"], validate=True)
+            except ValueError:
+                raise InvalidArgumentError(f"the recorded file {fname!r} is not valid base64") from None
+        else:
+            raise InvalidArgumentError(f"the recorded file {fname!r} has neither text nor base64 content")
+    return out
+
+
+def _plain_file_name(fname: str) -> bool:
+    return (os.path.basename(fname) == fname and fname not in ("", ".", "..") and not fname.startswith(".")
+            and "\\" not in fname and "\0" not in fname)
+
+
+def _owned(fname: str) -> bool:
+    """The files of a directory an export owns: it removes those it did not write."""
+    return fname.endswith((".safetensors", INDEX_SUFFIX))
+
+
 def export_safetensors(path: Any, dst: str | os.PathLike[str], step: int | None = None, *,
+                       tensors: str | Sequence[str] | None = None, strip_prefix: str | None = None,
                        max_shard_size: int | None = None, storage_options: dict[str, Any] | None = None,
                        progress: bool | None = None) -> ExportResult:
-    """Write a step's tensors as safetensors, one tensor in memory at a time.
+    """Write a step's tensors (or a subtree of them) as safetensors, one tensor in memory at a time.
 
     Parameters
     ----------
     path
         Repository directory or fsspec URL.
     dst
-        ``NAME.safetensors`` (a file; sharded files go beside it as ``NAME-00001-of-0000N.safetensors``
-        with ``NAME.safetensors.index.json``) or a directory (``model.safetensors`` in it).
+        ``NAME.safetensors``: exactly that one file (nothing else is written or removed beside it). Any
+        other path (or an existing directory): a directory holding ``model.safetensors``, or shards
+        ``model-00001-of-0000N.safetensors`` with ``model.safetensors.index.json``; the directory's
+        ``*.safetensors`` and ``*.safetensors.index.json`` files this export did not write (a previous
+        export's) are removed once the new files are in place, other files (``config.json``, ...) are
+        left alone, and an imported directory's config and tokenizer files are written back.
     step
         The step; None exports the newest committed step.
+    tensors
+        Export only the tensors whose names begin with this prefix (or one of these prefixes), e.g.
+        ``"model/"`` for a step saved as ``{"model": model.state_dict(), "optim": opt.state_dict()}``.
+    strip_prefix
+        Remove this prefix from the front of every exported name (``"model/"`` gives Hugging Face names);
+        every exported tensor must begin with it.
     max_shard_size
-        Bytes per file (default 5 GB, as Hugging Face); a tensor larger than this gets a file of its own.
-        When None and the step was imported from safetensors, the source's files, index and weight map
-        are reproduced.
+        Bytes per file of a directory export (default 5 GB, as Hugging Face); a tensor larger than this
+        gets a file of its own. When None and the step was imported from safetensors, the source's files,
+        index and weight map are reproduced. A one-file export (``NAME.safetensors``) larger than
+        ``max_shard_size`` fails before anything is written.
 
     Returns
     -------
     ExportResult
-        Files written (paths), the index (or None), counts, and the names of non-tensor values that
-        safetensors cannot hold (left out).
+        Files written (paths), the index (or None), counts, the names of non-tensor values that
+        safetensors cannot hold (left out), the config/tokenizer files restored and the stale files removed.
+
+    Raises
+    ------
+    InvalidArgumentError
+        A prefix that selects nothing, a ``strip_prefix`` that does not begin a selected name, a dtype
+        safetensors cannot hold, a one-file export over ``max_shard_size``. Nothing is written then.
     """
     dst = os.fspath(dst)
+    prefixes = _prefix_list(tensors)
     with open_step(path, step, storage_options=storage_options) as ckpt:
         meta = ckpt.meta
-        plan = _plan_files(meta, dst, max_shard_size)
-        orders = {fname: _st_order(meta, ns) for fname, ns in plan.files.items()}  # all checked before writing
+        outs = _select(ckpt, prefixes, strip_prefix)
+        plan = _plan_files(meta, outs, dst, max_shard_size)
+        orders = {fname: _st_order(outs, ns) for fname, ns in plan.files.items()}  # all checked before writing
+        extra = {} if plan.single else _restorable(meta)
         folder = plan.folder
         os.makedirs(folder, exist_ok=True)
-        written: list[str] = []
-        total = sum(a.nbytes for a in meta.arrays.values())
-        with Progress(total, "export", enabled=progress) as bar:
-            for fname, tensor_names in orders.items():
-                target = os.path.join(folder, fname)
-                tmp = f"{target}.tmp-{os.getpid()}"
-                try:
+        total = sum(o.nbytes for o in outs.values())
+        staged: list[tuple[str, str]] = []  # (temporary, final): renamed into place only once all are written
+        try:
+            with Progress(total, "export", enabled=progress) as bar:
+                for fname, tensor_names in orders.items():
+                    target = os.path.join(folder, fname)
+                    tmp = f"{target}.tmp-{os.getpid()}"
+                    staged.append((tmp, target))
                     with open(tmp, "wb") as fh:
-                        fh.write(_header(meta, tensor_names, plan.file_meta.get(fname)))
+                        fh.write(_header(outs, tensor_names, plan.file_meta.get(fname)))
                         for name in tensor_names:
-                            t = ckpt.array(name).read()  # one stored array in memory at a time
+                            t = ckpt[outs[name].stored].read()  # one tensor in memory at a time
                             fh.write(as_bytes(t))
                             bar.update(t.numel() * t.element_size())
                             del t
-                    os.replace(tmp, target)
-                except BaseException:
-                    if os.path.exists(tmp):
-                        os.unlink(tmp)
-                    raise
-                written.append(target)
-        index_path = None
-        if plan.index_name is not None:
-            doc = {"metadata": {**(plan.index_meta or {}), "total_size": total}, "weight_map": plan.weight_map}
-            index_path = os.path.join(folder, plan.index_name)
-            with open(index_path, "w") as fh:
-                json.dump(doc, fh, indent=2)
-                fh.write("\n")
-        skipped = [".".join(map(str, p)) for p in _value_paths(meta.tree)]
-        return ExportResult(written, index_path, len(meta.arrays), total, skipped)
+            for fname, data in extra.items():
+                target = os.path.join(folder, fname)
+                staged.append((f"{target}.tmp-{os.getpid()}", target))
+                with open(staged[-1][0], "wb") as fh:
+                    fh.write(data)
+            index_path = None
+            if plan.index_name is not None:
+                doc = {"metadata": {**(plan.index_meta or {}), "total_size": total}, "weight_map": plan.weight_map}
+                index_path = os.path.join(folder, plan.index_name)
+                staged.append((f"{index_path}.tmp-{os.getpid()}", index_path))  # last: it names the shards
+                with open(staged[-1][0], "w") as fh:
+                    json.dump(doc, fh, indent=2)
+                    fh.write("\n")
+            for tmp, target in staged:
+                os.replace(tmp, target)
+        except BaseException:
+            for tmp, _ in staged:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+            raise
+        written = {os.path.basename(t) for _, t in staged}
+        removed: list[str] = []
+        if not plan.single:  # a previous export's shards and index: a loader would read them too
+            for fname in sorted(os.listdir(folder)):
+                p = os.path.join(folder, fname)
+                if _owned(fname) and fname not in written and (os.path.isfile(p) or os.path.islink(p)):
+                    os.unlink(p)
+                    removed.append(p)
+        n_files = len(orders)
+        skipped = [".".join(map(str, p)) for p in _value_paths(meta.tree)
+                   if prefixes is None or any("/".join(map(str, p)).startswith(x) for x in prefixes)]
+        return ExportResult([t for _, t in staged[:n_files]], index_path, len(outs), total, skipped,
+                            [os.path.join(folder, f) for f in extra], removed)
 
 
 def _value_paths(tree: dict[str, Any], path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
