@@ -5,7 +5,8 @@ an ordinary Zarr v3 hierarchy, generated from the step's metadata::
 
     zarr.json                       root group: attributes step, kind, parent; consolidated metadata
     <group>/zarr.json               one group per "/"-separated prefix of tensor names
-    <tensor>/zarr.json              one array per tensor: its logical shape and dtype, codecs [bytes]
+    <tensor>/zarr.json              one array per tensor: its logical shape and dtype, codecs [bytes],
+                                    dimension_names <name>/dim<i> (so xarray.open_zarr opens a group)
     <tensor>/c/<i>/<j>...           one chunk: its raw little-endian bytes, edge chunks zero-padded
 
 Nothing is stored twice: chunk bytes are produced on demand by :meth:`ucl.LazyTensor.read_box`, which
@@ -45,6 +46,7 @@ from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from ucl.errors import InconsistentMetadataError, InvalidArgumentError
 from ucl.format import dtypes, names
+from ucl.format.metadata import dimension_names
 from ucl.format.shardfile import choose_inner_chunk
 from ucl.io.stores.base import Store as UCLStore
 from ucl.read.checkpoint import Checkpoint
@@ -110,6 +112,7 @@ class _ArrayView:
                 else {"name": "bytes"}
             ],
             "attributes": {"ucl": {"name": self.name}},
+            "dimension_names": dimension_names(self.name, len(self.shape)),
         }
 
 

@@ -95,16 +95,21 @@ _VALID_ARRAY_DOCS: dict[str, None] = {}  # canonical array documents known valid
 def _check_array_schema(doc: Any, what: str) -> None:
     """check_schema(doc, "array") with a cache: the arrays of a step repeat a few structures (every
     layer's weight has the same document but for its name), and jsonschema costs ~0.6 ms a document,
-    most of an open. The name is checked by ucl.format.names, so it is blanked in the key."""
+    most of an open. The name is checked by ucl.format.names, so it is blanked in the key; so are the
+    dimension names (derived from the name), whose type is checked on a hit."""
     try:
         ucl = doc["attributes"]["ucl"]
         blank = {**doc, "attributes": {**doc["attributes"], "ucl": {**ucl, "name": ""}}}
+        if isinstance(doc.get("dimension_names"), list):
+            blank["dimension_names"] = len(doc["dimension_names"])
         key = json.dumps(blank, sort_keys=True, separators=(",", ":"), allow_nan=False)
     except (KeyError, TypeError, ValueError):
         key = None
     if key is not None and key in _VALID_ARRAY_DOCS:
         if not isinstance(ucl.get("name"), str) or not 1 <= len(ucl["name"]) <= 1024:
             raise SchemaError(f"{what} does not match array.schema.json at attributes/ucl/name", file=what)
+        if not isinstance(doc.get("dimension_names", []), list | None):
+            raise SchemaError(f"{what} does not match array.schema.json at dimension_names", file=what)
         return
     check_schema(doc, "array", what)
     if key is not None:
@@ -175,6 +180,16 @@ def parse_repo(data: bytes, what: str = "zarr.json") -> dict[str, Any]:
 # -- arrays ----------------------------------------------------------------------------------------
 _BYTES_LE = {"name": "bytes", "configuration": {"endian": "little"}}
 _CRC = {"name": "crc32c"}
+
+
+def dimension_names(name: str, ndim: int) -> list[str]:
+    """The ``dimension_names`` written into an array document (spec/core.md §6 item 6): ``<name>/dim<i>``.
+
+    xarray needs them to open a group of arrays, and takes a name shared by two arrays as one dimension
+    (both arrays must then agree on its size); tensor names are unique in a step, so these never clash.
+    Readers ignore them: documents without them (older steps) read the same.
+    """
+    return [f"{name}/dim{i}" for i in range(ndim)]
 
 
 @dataclass(frozen=True)
@@ -261,6 +276,7 @@ class ArrayMeta:
                 }
             ],
             "attributes": {"ucl": attrs},
+            "dimension_names": dimension_names(self.name, len(self.shape)),
         }
 
     @classmethod

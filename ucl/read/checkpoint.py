@@ -35,6 +35,7 @@ from ucl.format import structure
 from ucl.format.metadata import ArrayMeta, CommitRecord, StepMeta
 from ucl.format.repository import Repository
 from ucl.format.structure import graft
+from ucl.io import progress
 from ucl.io.stores.base import Store
 from ucl.layout import Layout, Mesh
 from ucl.options import DEFAULT_READ, ReadOptions
@@ -351,10 +352,12 @@ class Checkpoint:
                 arrays = self.meta.arrays
                 ops += [BoxCopy(arrays[a], sbox, t, None, rbox, k > 0)
                         for a, sbox, rbox, k in self.logical_index().read_parts(n, full, sum_partial=True)]
-        if reqs:
-            self.read_requests(reqs)
-        if ops:
-            self.fill(ops)
+        # a bar of the bytes read for a large load on a terminal (ucl.io.progress polls bytes_read)
+        with progress.watch(sum(t.nbytes for t in tensors.values()), "load", lambda: self.bytes_read):
+            if reqs:
+                self.read_requests(reqs)
+            if ops:
+                self.fill(ops)
 
     def fill(self, ops: list[BoxCopy], buffer_bytes: int | None = None) -> None:
         """Copy stored boxes into destination boxes (spec/layout.md copy rule: row-major order to row-major

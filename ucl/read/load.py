@@ -33,6 +33,7 @@ import torch
 
 from ucl.errors import InvalidArgumentError, LayoutShapeError, MeshMismatchError, TensorNotFoundError
 from ucl.format import dtypes, structure
+from ucl.io import progress
 from ucl.io.stores.base import Store
 from ucl.layout import Layout, Mesh, as_layout, as_mesh, layout_from_dtensors, mesh_rank
 from ucl.options import DEFAULT_READ, ReadOptions
@@ -142,7 +143,7 @@ def _load(
 ) -> Any:
     plan = load_plan(ckpt, layout=layout, mesh=mesh, rank=rank, tensors=tensors)
     out = {n: alloc(n, d, s, zero=n in plan.zero) for n, (s, d) in plan.local.items()}
-    ckpt.fill(_ops(ckpt, plan, out), buffer_bytes)
+    _fill(ckpt, _ops(ckpt, plan, out), buffer_bytes)
     if flat:
         return out
     return structure.unflatten(structure.graft(ckpt.meta.tree, list(out)), out)
@@ -190,6 +191,7 @@ def _load_into(
 ) -> None:
     tensors, _ = structure.flatten(state)
     selection: list[str] | None = None
+    target = layout is not None  # a target layout is involved (shapes are this rank's, not the step's)
     if isinstance(layout, str) and layout == "dtensor":
         if mesh is not None or rank is not None:
             raise InvalidArgumentError("layout='dtensor' takes mesh and rank from the DTensors; pass neither")
@@ -208,6 +210,7 @@ def _load_into(
         if missing:
             raise TensorNotFoundError(f"step {ckpt.step} has no tensor {missing[0]!r}", tensor=missing[0])
     plan = load_plan(ckpt, layout=layout, mesh=mesh, rank=rank, tensors=selection)
+    wrong: list[tuple[str, list[int], list[int]]] = []  # (name, destination shape, expected shape)
     for n, t in tensors.items():
         if n not in plan.local:
             raise TensorNotFoundError(
@@ -215,13 +218,10 @@ def _load_into(
                 f"(it holds {_some(plan.local)})",
                 tensor=n,
             )
-        want = tuple(plan.local[n][0])
-        if tuple(t.shape) != want:
-            raise LayoutShapeError(
-                f"destination {n!r} has shape {list(t.shape)}; the target layout gives this rank "
-                f"{list(want)}",
-                tensor=n,
-            )
+        if tuple(t.shape) != tuple(plan.local[n][0]):
+            wrong.append((n, list(t.shape), list(plan.local[n][0])))
+    if wrong:
+        raise LayoutShapeError(_shape_message(ckpt.step, wrong, rank if target else None), tensor=wrong[0][0])
     with torch.no_grad():
         for n in plan.zero:
             if n in tensors:
@@ -232,7 +232,31 @@ def _load_into(
             raise InvalidArgumentError(
                 f"flat buffer {it.local_name!r} must be a contiguous tensor", tensor=it.local_name
             )
-    ckpt.fill(_ops(ckpt, plan, dest), buffer_bytes)
+    _fill(ckpt, _ops(ckpt, plan, dest), buffer_bytes)
+
+
+def _shape_message(step: int, wrong: list[tuple[str, list[int], list[int]]], rank: int | None) -> str:
+    """Every destination tensor whose shape is not the one it is loaded with, in plain words; the layout
+    is named only when one is involved (``rank`` not None)."""
+    n = len(wrong)
+    what = f"{n} destination tensor{'s' if n > 1 else ''} {'have' if n > 1 else 'has'} the wrong shape"
+    if rank is None:
+        head = f"load_into: {what} for step {step}:"
+        lines = [f"  {name!r}: expected {want} (its shape in step {step}), found {got}" for name, got, want in wrong]
+    else:
+        head = f"load_into: {what} for rank {rank} under the target layout:"
+        lines = [f"  {name!r}: expected {want} (rank {rank}'s part under the layout), found {got}"
+                 for name, got, want in wrong]
+    if len(lines) > 50:
+        lines[50:] = [f"  ... and {len(lines) - 50} more"]
+    return "\n".join([head, *lines])
+
+
+def _fill(ckpt: Checkpoint, ops: list[BoxCopy], buffer_bytes: int | None) -> None:
+    """``ckpt.fill``, with a bar of the bytes read on a terminal for large loads (:mod:`ucl.io.progress`:
+    polled from the reader's counter, so the reads pay nothing)."""
+    with progress.watch(sum(op.nbytes for op in ops), "load", lambda: ckpt.bytes_read):
+        ckpt.fill(ops, buffer_bytes)
 
 
 def _some(local: Mapping[str, Any]) -> str:

@@ -58,18 +58,30 @@ def _seconds(text: str) -> float:
 
 
 def _side(text: str) -> tuple[str | None, int | None]:
-    """``PATH``, ``PATH@STEP`` or ``@STEP`` -> (path or None, step or None)."""
-    m = re.fullmatch(r"(.*)@(0|[1-9][0-9]{0,18})", text)
-    if m:
-        return (m.group(1) or None), int(m.group(2))
-    return text, None
+    """``PATH``, ``PATH@STEP`` or ``@STEP`` -> (path or None, step or None).
+
+    What follows the last ``@`` must be a step, unless it holds a ``/`` or the whole text is an existing
+    local path (a directory named ``run@2``): ``ckpt@abc`` is an invalid step, not a repository."""
+    import os
+
+    path, at, step = text.rpartition("@")
+    if not at:
+        return text, None
+    if re.fullmatch(r"0|[1-9][0-9]{0,18}", step) and int(step) < 1 << 63:
+        return (path or None), int(step)
+    if "/" in step or os.path.exists(text):
+        return text, None
+    raise argparse.ArgumentTypeError(f"invalid step {step!r} in {text!r}: write PATH@STEP or @STEP with STEP an "
+                                     "integer >= 0")
 
 
 # -- commands --------------------------------------------------------------------------------------
 def cmd_validate(a: argparse.Namespace) -> int:
+    from ucl.tools import progress
     from ucl.tools.validate import validate_repo
 
-    report = validate_repo(a.path, a.step, checksums=not a.no_checksums)
+    # the command draws its bar on a terminal whatever the size (the library call only above 256 MiB)
+    report = validate_repo(a.path, a.step, checksums=not a.no_checksums, progress=progress.enabled())
     if a.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:
@@ -167,10 +179,9 @@ def _fmt(v: float | None, pct: bool = False) -> str:
 def cmd_diff(a: argparse.Namespace) -> int:
     from ucl.tools.diff import diff_steps
 
-    pa, sa = _side(a.a)
-    pb, sb = _side(a.b)
+    (pa, sa), (pb, sb) = a.a, a.b
     if pa is None:
-        a.parser.error(f"A must name a repository, got {a.a!r}")
+        a.parser.error(f"A must name a repository, got '@{sa}'")
     report = diff_steps(pa, pb or pa, sa, sb)
     if a.plot:
         from ucl.tools.diff import plot
@@ -231,20 +242,37 @@ def cmd_compact(a: argparse.Namespace) -> int:
 
 
 def cmd_import(a: argparse.Namespace) -> int:
-    from ucl.tools.convert import import_checkpoint
+    from ucl.tools.convert import KEEP_FILES_BYTES, import_checkpoint
 
     r = import_checkpoint(a.src, a.dst, a.step, compression=a.compression)
-    _print({**r.to_dict(), "src": a.src, "dst": a.dst}, a.json,
-           f"imported {a.src} ({r.source}, {r.tensors} tensors, {_mb(r.bytes)}) as step {r.step} of {a.dst}")
+    text = f"imported {a.src} ({r.source}, {r.tensors} tensors, {_mb(r.bytes)}) as step {r.step} of {a.dst}"
+    if r.kept_files:
+        text += f"\nkept {len(r.kept_files)} other file(s) for export: " + ", ".join(r.kept_files)
+    if r.skipped_files:
+        text += (f"\nnote: {len(r.skipped_files)} file(s) not kept, past the {KEEP_FILES_BYTES >> 20} MiB kept of a "
+                 "directory's other files: " + ", ".join(r.skipped_files))
+    _print({**r.to_dict(), "src": a.src, "dst": a.dst}, a.json, text)
     return 0
 
 
 def cmd_export(a: argparse.Namespace) -> int:
+    import os
+
     from ucl.tools.convert import export_safetensors
 
-    r = export_safetensors(a.path, a.dst, a.step, max_shard_size=a.max_shard_size)
+    prefixes = [p for arg in a.tensors for p in arg.split(",") if p] if a.tensors is not None else None
+    if a.tensors is not None and not prefixes:
+        a.parser.error("argument --tensors: expected name prefixes, e.g. --tensors model/")
+    r = export_safetensors(a.path, a.dst, a.step, tensors=prefixes, strip_prefix=a.strip_prefix,
+                           max_shard_size=a.max_shard_size)
     text = f"exported {r.tensors} tensors ({_mb(r.bytes)}) to {len(r.files)} file(s)"
     text += f", index {r.index}" if r.index else f": {r.files[0]}" if r.files else ""
+    if r.restored_files:
+        text += f"\nrestored {len(r.restored_files)} file(s) of the imported directory: " + ", ".join(
+            os.path.basename(f) for f in r.restored_files)
+    if r.removed:
+        text += f"\nremoved {len(r.removed)} file(s) of a previous export: " + ", ".join(
+            os.path.basename(f) for f in r.removed)
     if r.skipped_values:
         text += (f"\nnote: safetensors holds tensors only; {len(r.skipped_values)} other value(s) left out: "
                  + ", ".join(r.skipped_values[:10]) + (" ..." if len(r.skipped_values) > 10 else ""))
@@ -269,24 +297,26 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("import", "write a safetensors / torch.save / DCP checkpoint as a new step",
      "ucl import model.safetensors ckpt\n  ucl import hf_model_dir/ ckpt --step 0   # sharded, with "
      "model.safetensors.index.json\n  ucl import model.pt ckpt\n  ucl import dcp_checkpoint_dir/ ckpt"),
-    ("export", "write a step's tensors as safetensors (sharded with an index above --max-shard-size)",
-     "ucl export ckpt out/model.safetensors\n  ucl export ckpt out/ --step 100 --max-shard-size 2GB"),
+    ("export", "write a step (or a subtree) as safetensors: one file or a directory",
+     "ucl export ckpt out/model.safetensors\n  ucl export ckpt out/ --step 100 --max-shard-size 2GB\n"
+     "  ucl export ckpt hf_out/ --tensors model/ --strip-prefix model/   # {'model': ..., 'optim': ...} -> HF"),
 ]
 
 
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(
-        prog="ucl", formatter_class=fmt,
+        prog="ucl", formatter_class=fmt, usage="%(prog)s [-h] [--version] COMMAND ...",
         description="Universal Checkpoint Language: inspect, validate, compare, maintain and convert checkpoints.",
-        epilog="commands:\n" + "\n".join(f"  {n:9} {h}" for n, h, _ in COMMANDS)
-        + "\n\nexamples:\n  ucl ls ckpt\n  ucl validate ckpt\n  ucl diff ckpt@100 @200\n  ucl import hf_model/ ckpt\n\n"
+        epilog="examples:\n  ucl ls ckpt\n  ucl validate ckpt\n  ucl diff ckpt@100 @200\n  ucl import hf_model/ ckpt\n\n"
         + EPILOG)
     p.add_argument("--version", action="version", version=f"ucl {_version()}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # the commands once: this list (argparse's own, per-choice help, is left out: it would repeat it)
+    sub = p.add_subparsers(title="commands", description="\n".join(f"{n:9} {h}" for n, h, _ in COMMANDS),
+                           dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS, prog="ucl")
     parsers = {}
     for name, help_, examples in COMMANDS:
-        sp = sub.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".",
+        sp = sub.add_parser(name, description=help_[0].upper() + help_[1:] + ".",
                             epilog=f"examples:\n  {examples}\n\n{EPILOG}", formatter_class=fmt)
         parsers[name] = sp
 
@@ -304,8 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     step(v, "only this step (and the steps its delta chain needs)")
     v.add_argument("--no-checksums", action="store_true", help="skip reading data (structure and sizes only)")
     d = parsers["diff"]
-    d.add_argument("a", metavar="A", help="PATH[@STEP]: the reference (default step: the newest)")
-    d.add_argument("b", metavar="B", help="PATH[@STEP], or @STEP for another step of A's repository")
+    d.add_argument("a", metavar="A", type=_side, help="PATH[@STEP]: the reference (default step: the newest)")
+    d.add_argument("b", metavar="B", type=_side, help="PATH[@STEP], or @STEP for another step of A's repository")
     d.add_argument("--plot", metavar="FILE.png", help="draw relative change per layer and tensor (needs matplotlib)")
     g = parsers["gc"]
     path(g)
@@ -325,11 +355,16 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--compression", choices=["zstd"], help="compress chunks")
     e = parsers["export"]
     path(e)
-    e.add_argument("dst", metavar="DST", help="NAME.safetensors, or a directory (model.safetensors in it)")
+    e.add_argument("dst", metavar="DST", help="NAME.safetensors (exactly that one file), or a directory "
+                   "(model.safetensors or shards with an index; a previous export's shards are removed)")
     step(e, "the step (default: the newest committed step)")
+    e.add_argument("--tensors", action="append", metavar="PREFIX",
+                   help="export only tensors whose names begin with PREFIX (repeatable, or a comma list), e.g. model/")
+    e.add_argument("--strip-prefix", metavar="PREFIX",
+                   help="remove PREFIX from the front of every exported name, e.g. model/")
     e.add_argument("--max-shard-size", type=_size, metavar="SIZE",
-                   help="split into files of at most SIZE (5GB, 500MiB, ...) with an index; default: the "
-                   "imported source's files, else 5GB")
+                   help="in a directory, split into files of at most SIZE (5GB, 500MiB, ...) with an index; "
+                   "default: the imported source's files, else 5GB. A NAME.safetensors export larger than SIZE fails")
     for name, sp in parsers.items():
         sp.add_argument("--json", action="store_true", help="one JSON document on stdout")
         sp.set_defaults(func=globals()[f"cmd_{name}"], parser=sp)
@@ -338,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``ucl`` command with ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
+    if list(sys.argv[1:] if argv is None else argv) == ["--version"]:  # instant: no parser, no engine
+        print(f"ucl {_version()}")
+        return 0
     parser = build_parser()
     try:
         a = parser.parse_args(argv)
@@ -362,6 +400,7 @@ if __name__ == "__main__":
 
 
 def _version() -> str:
+    """The installed version, from the package metadata: nothing of the engine (torch) is imported."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:

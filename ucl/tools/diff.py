@@ -178,6 +178,8 @@ def _side(c: Checkpoint) -> dict[str, Any]:
 
 # -- the picture -----------------------------------------------------------------------------------
 _LAYER = re.compile(r"(?:^|(?<=[./]))(\d+)(?=[./]|$)")
+_OPT_STATE = re.compile(r"^(?P<opt>(?:.*/)?)state/(?P<index>0|[1-9][0-9]*)/(?P<key>[^/]+)$")
+_COUNTERS = frozenset({"step"})  # optimizer state entries that count steps, not tensors that change
 
 
 def layer_of(name: str) -> tuple[int, str] | None:
@@ -188,12 +190,94 @@ def layer_of(name: str) -> tuple[int, str] | None:
     return int(m.group(1)), name[: m.start(1)] + "*" + name[m.end(1) :]
 
 
-def plot(report: DiffReport, path: str) -> None:
-    """Draw the relative L2 change per layer and tensor to ``path`` (PNG, or any format matplotlib writes).
+def _parameter_names(tensors: list[TensorDiff], states: dict[str, dict[int, TensorDiff]]) -> dict[tuple[str, int], str]:
+    """The parameter each optimizer's state index belongs to, ``{(optimizer prefix, index): name}``.
 
-    Tensors with a layer number in their name form a heat map (rows: the tensor's name with ``*`` for
-    the layer, columns: layers); the others a bar chart. The colour and bar scales are log10; a tensor
-    that did not change is drawn below the smallest change (and marked ``=`` in the map).
+    ``opt.state_dict()`` numbers parameters 0, 1, ... in the order the optimizer was given them, which for
+    ``Optimizer(model.parameters())`` is the model state dict's order without its buffers. An index is
+    matched to the next model tensor (in the step's order) whose shape is its state's shape; an optimizer
+    whose indices do not all match gets no names (its indices are then labelled as indices, never as
+    layers)."""
+    out: dict[tuple[str, int], str] = {}
+    for opt, by_index in states.items():
+        params = [t for t in tensors if _OPT_STATE.match(t.name) is None and not t.name.startswith(opt)]
+        j, found = 0, {}
+        for index in sorted(by_index):
+            shape = by_index[index].shape
+            while j < len(params) and params[j].shape != shape:
+                j += 1
+            if j == len(params):
+                break
+            found[(opt, index)] = params[j].name
+            j += 1
+        else:
+            out.update(found)
+    return out
+
+
+def plot_groups(report: DiffReport) -> tuple[dict[str, dict[int, float]], dict[str, float]]:
+    """What :func:`plot` draws: ``(layered, flat)``, relative L2 changes by row label.
+
+    ``layered[label][layer]`` for tensors whose parameter name holds a layer number (the label has ``*``
+    for it); ``flat[label]`` for the others. An optimizer's state (``<opt>/state/<i>/<key>``, as
+    ``opt.state_dict()`` saves it) is grouped under its parameter, ``"<parameter> · <key>"``, so that its
+    index is never taken for a layer; step counters (``state/<i>/step``) and 0-d integer tensors are left
+    out. Labels drop a first name segment every parameter shares (``model/``). Rows are in the step's
+    order, each parameter's optimizer state after it.
+    """
+    compared = [t for t in report.tensors if t.status == "compared" and t.rel_l2 is not None]
+    states: dict[str, dict[int, TensorDiff]] = {}
+    for t in compared:
+        m = _OPT_STATE.match(t.name)
+        if m is not None and m["key"] not in _COUNTERS and t.shape:
+            states.setdefault(m["opt"], {}).setdefault(int(m["index"]), t)
+    owner = _parameter_names(compared, states)
+    params = [t.name for t in compared if _OPT_STATE.match(t.name) is None]
+    heads = {n.split("/", 1)[0] for n in params if "/" in n}
+    strip = f"{heads.pop()}/" if len(heads) == 1 and all("/" in n for n in params) else ""
+    order = {n: i for i, n in enumerate(params)}
+    rows: list[tuple[tuple[int, int, str], str, float]] = []  # (sort key, parameter label, value)
+    for t in compared:
+        value = t.rel_l2 if t.rel_l2 is not None and math.isfinite(t.rel_l2) else float("nan")
+        m = _OPT_STATE.match(t.name)
+        if m is None:
+            if not t.shape and t.dtype is not None and not t.dtype.startswith(("float", "bfloat", "complex")):
+                continue  # a counter
+            rows.append(((order[t.name], 0, ""), t.name.removeprefix(strip), value))
+            continue
+        if m["key"] in _COUNTERS or not t.shape:
+            continue
+        param = owner.get((m["opt"], int(m["index"])))
+        if param is None:  # no parameter name: the index, labelled so, never a layer
+            rows.append(((len(order), int(m["index"]), m["key"]),
+                         f"{m['opt']}param {m['index']} · {m['key']}", value))
+        else:
+            rows.append(((order[param], 1, m["key"]), f"{param.removeprefix(strip)} · {m['key']}", value))
+    rows.sort(key=lambda r: r[0])
+    layered: dict[str, dict[int, float]] = {}
+    flat: dict[str, float] = {}
+    for key, label, value in rows:
+        lk = layer_of(label) if key[0] < len(order) else None
+        if lk is None:
+            flat[label] = value
+        else:
+            layered.setdefault(lk[1], {})[lk[0]] = value
+    if len(layered) and len({k for v in layered.values() for k in v}) < 2:  # one layer: no map to draw
+        for kind, per in layered.items():
+            for layer, v in per.items():
+                flat[kind.replace("*", str(layer), 1)] = v
+        layered = {}
+    return layered, flat
+
+
+def plot(report: DiffReport, path: str) -> None:
+    """Draw the relative L2 change per parameter and layer to ``path`` (PNG, or any format matplotlib writes).
+
+    Tensors with a layer number in their name form a heat map (rows: the parameter's name with ``*`` for
+    the layer, each followed by its optimizer state; columns: layers); the others a bar chart. Rows and
+    labels are :func:`plot_groups`'s (optimizer state under its parameter, step counters left out). The
+    colour and bar scales are log10; a tensor that did not change is drawn below the smallest change
+    (and marked ``=`` in the map).
 
     Raises
     ------
@@ -203,21 +287,7 @@ def plot(report: DiffReport, path: str) -> None:
     from matplotlib.colors import LogNorm
     from matplotlib.figure import Figure
 
-    compared = [t for t in report.tensors if t.status == "compared" and t.rel_l2 is not None]
-    layered: dict[str, dict[int, float]] = {}
-    flat: dict[str, float] = {}
-    for t in compared:
-        lk = layer_of(t.name)
-        value = t.rel_l2 if t.rel_l2 is not None and math.isfinite(t.rel_l2) else float("nan")
-        if lk is None:
-            flat[t.name] = value
-        else:
-            layered.setdefault(lk[1], {})[lk[0]] = value
-    if len(layered) and len({k for v in layered.values() for k in v}) < 2:  # one layer: no map to draw
-        for kind, per in layered.items():
-            for layer, v in per.items():
-                flat[kind.replace("*", str(layer))] = v
-        layered = {}
+    layered, flat = plot_groups(report)
     panels = int(bool(layered)) + int(bool(flat)) or 1
     fig = Figure(figsize=(11, 3 + 0.28 * (len(layered) + len(flat))), layout="constrained")
     axes = fig.subplots(panels, 1, squeeze=False)[:, 0]
@@ -230,7 +300,7 @@ def plot(report: DiffReport, path: str) -> None:
         import numpy as np
 
         layers = sorted({k for v in layered.values() for k in v})
-        kinds = sorted(layered)
+        kinds = list(layered)  # the step's order, each parameter's optimizer state after it
         grid = np.full((len(kinds), len(layers)), np.nan)
         for r, kind in enumerate(kinds):
             for c, layer in enumerate(layers):

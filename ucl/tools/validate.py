@@ -9,6 +9,7 @@ the step, tensor and file; a failing tensor does not stop the others from being 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import struct
 from dataclasses import asdict, dataclass, field
@@ -37,7 +38,10 @@ from ucl.plan.layout_load import check_step as check_layout_step
 from ucl.plan.layout_save import stored_chunks
 from ucl.plan.save import spec_for_meta
 from ucl.read.files import StepFiles, step_files, truncated
+from ucl.tools import progress as _progress
 from ucl.tools.validate_chain import validate_chain
+
+log = logging.getLogger("ucl.tools.validate")
 
 _CRC = struct.Struct("<I")
 
@@ -61,6 +65,7 @@ class Report:
     files_checked: int = 0
     bytes_checked: int = 0
     _deps: dict[int, list[Any]] = field(default_factory=dict, repr=False)  # problems of steps others replay on
+    _bar: Any = field(default=None, repr=False, compare=False)  # the progress bar of this run (bytes checked)
 
     @property
     def ok(self) -> bool:
@@ -75,7 +80,8 @@ class Report:
 
 
 def validate_repo(path: Any, step: int | None = None, *, storage_options: dict[str, Any] | None = None,
-                  checksums: bool = True, options: ReadOptions = DEFAULT_READ) -> Report:
+                  checksums: bool = True, options: ReadOptions = DEFAULT_READ,
+                  progress: bool | None = None) -> Report:
     """Check a repository (every committed step, or only ``step``) against the spec.
 
     Parameters
@@ -89,6 +95,10 @@ def validate_repo(path: Any, step: int | None = None, *, storage_options: dict[s
         presence and sizes only.
     options
         How shards are read (:class:`ucl.options.ReadOptions`: O_DIRECT, kept buffers).
+    progress
+        A bar of the bytes checked on stderr: None (default) when stderr is a terminal and the steps
+        hold at least 256 MiB (``UCL_PROGRESS=0/1`` forces it off / on; :mod:`ucl.io.progress`); True
+        always, False never.
 
     Returns
     -------
@@ -107,10 +117,34 @@ def validate_repo(path: Any, step: int | None = None, *, storage_options: dict[s
     except UCLError as e:  # commits/ that is not a directory, or resolves outside the repository
         report.add(e)
         return report
-    for s in steps:
-        report.steps.append(s)
-        _validate_step(repo, s, report, checksums, options)
+    if progress or (progress is None and _progress.enabled()):
+        report._bar = _progress.bar(_recorded_bytes(repo, steps), "validate", enabled=progress,
+                                    min_total=_progress.min_bytes())
+    try:
+        for s in steps:
+            report.steps.append(s)
+            _validate_step(repo, s, report, checksums, options)
+        if report._bar is not None:
+            report._bar.update(max(0, report._bar.total - report._bar.done))  # documents, indexes: all seen
+    finally:
+        if report._bar is not None:
+            report._bar.close()
+            report._bar = None
+    log.info("validated %s: %d step(s), %d shard(s), %.1f MB checked: %s", report.path, len(report.steps),
+             report.files_checked, report.bytes_checked / 1e6,
+             "valid" if report.ok else f"invalid ({len(report.problems)} problem(s))")
     return report
+
+
+def _recorded_bytes(repo: Repository, steps: list[int]) -> int:
+    """The bytes the commit records of ``steps`` list (the bar's total); unreadable records count 0."""
+    total = 0
+    for s in steps:
+        try:
+            total += repo.commit_record(s).nbytes
+        except UCLError:
+            pass
+    return total
 
 
 def _check_steps_group(repo: Repository, report: Report) -> None:
@@ -228,8 +262,11 @@ def _check_shard(repo: Repository, files: StepFiles, record: CommitRecord, arr: 
     if size < n:
         raise ShardSizeError(f"shard {key}: {size} bytes cannot hold its {n}-byte index", tensor=arr.name, file=key)
     report.files_checked += 1
+    bar = report._bar
     if not checksums:
         _check_presence(arr, coords, files.index(arr, coords), key)
+        if bar is not None:
+            bar.update(size)
         return
     # the one range reader (O_DIRECT when cold): a shard up to whole_max_bytes in one read, a larger one
     # chunk by chunk after its index, so that validating holds at most one inner chunk of it
@@ -251,6 +288,8 @@ def _check_shard(repo: Repository, files: StepFiles, record: CommitRecord, arr: 
             off, nb = int(off), int(nb)
             piece = files.read(key, off, nb) if data is None else data[off : off + nb]
             view = piece.view if isinstance(piece, Lease) else piece
+            if bar is not None:
+                bar.update(nb)
             try:
                 if view.nbytes < nb:
                     raise truncated(key, arr.name, view.nbytes, nb, off)

@@ -48,10 +48,12 @@ from ucl.plan import save as saveplan
 from ucl.read.load import load
 from ucl.write.collectives import Collectives
 from ucl.write.commit import StepCommit
+from ucl.write.events import SaveEvents
 from ucl.write.handle import SaveHandle
 from ucl.write.job import Job
 from ucl.write.kinds import StepKinds
 from ucl.write.planning import Planner
+from ucl.write import rank_state as _rank_state
 from ucl.write.policy import AdaptiveInterval, DeltaPolicy
 from ucl.write.retention import Retention
 from ucl.write.shards import ShardWriter
@@ -205,6 +207,7 @@ class CheckpointManager:
         elif dtensor and mesh is not None:
             raise InvalidArgumentError("layout='dtensor' takes its mesh from the DTensors; pass no mesh=")
         self.repo, self._lock = self._open_repo(path, storage_options)
+        self._events = SaveEvents(self.repo.url, self.rank)  # the log (ucl.write.events)
         codec = {"name": "zstd", "configuration": {"level": 1, "checksum": False}} if compression else None
         self._planner = Planner(self._ctl, self.rank, self.world, codec, self.layout, self.mesh, dtensor,
                                 options.inner_chunk_bytes)
@@ -215,6 +218,7 @@ class CheckpointManager:
         self._committer = StepCommit(self.repo, self._dist, self._lock, self._retention, options.commit_threads)
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._pending: list[SaveHandle] = []
+        self._last_step: int | None = None  # the step of this manager's previous save (steps only increase)
         self._closed = False
         self._thread = threading.Thread(target=self._persist_loop, name="ucl-persist", daemon=True)
         self._thread.start()
@@ -273,13 +277,19 @@ class CheckpointManager:
         return self._planner.plans
 
     # -- saving (the caller's thread) --------------------------------------------------------------
-    def save(self, step: int, state: Mapping[str, Any], *, optimizer: Any = None) -> SaveHandle:
+    def save(self, step: int, state: Mapping[str, Any], *, optimizer: Any = None,
+             rank_state: Any = None) -> SaveHandle:
         """Stage ``state`` and return a handle; the step is written and committed in the background.
 
         ``optimizer`` (with ``DeltaPolicy(gradients=True)``): the ``torch.optim.Optimizer`` whose
         ``state_dict()`` and parameters (through the model's ``state_dict()``) are in ``state``. When this
         save is exactly one ``optimizer.step()`` after the previous one, with the gradients that step used
         still in ``.grad``, the step stores those gradients instead of the parameters and optimizer state.
+
+        ``rank_state``: this data-parallel rank's own small state (a sampler's or dataloader's
+        ``state_dict()``, per-rank RNG states; values of at most 64 KiB each, no large tensors), stored per
+        rank in the step (spec/core.md §5.3 item 9) and given back by ``restore(rank_state=True)``. Every
+        rank passes one or none does (it is allgathered). docs/state.md.
 
         Raises
         ------
@@ -297,7 +307,12 @@ class CheckpointManager:
         if step in self._committed_or_pending(step):
             raise StepExistsError(f"step {step} is already committed or being saved in {self.repo.url}; "
                                   "committed steps never change", file=commit_key(step))
+        if self._last_step is not None and step < self._last_step:  # the same step again: a retry of a failure
+            raise InvalidArgumentError(f"step {step} is not after step {self._last_step}, which this manager saved "
+                                       "last: steps only increase (save a later step, or open a new manager)")
         tensors, tree = structure.flatten(state)
+        if rank_state is not None:
+            tree = _rank_state.attach(tree, rank_state, self._ctl, self.mesh)
         if self._planner.dtensor:
             tensors = self._planner.dtensor_locals(tensors)
         plan = self._planner.plan(tensors)
@@ -312,6 +327,7 @@ class CheckpointManager:
             return SaveHandle(step, skipped=True)
         self._pending.append(handle)
         grad_job = None
+        staged_bytes = 0  # for the log
         for i, piece in enumerate(pieces):
             stage = {s: tensors[s] for s in piece}
             if grads is not None:  # one piece (delta mode stages whole states): the gradients go with it
@@ -322,6 +338,7 @@ class CheckpointManager:
             slot = self._staging.acquire(footprint(stage))
             try:
                 staged = self._staging.stage(slot, stage)
+                staged_bytes += sum(t.nbytes for t in staged.values())
                 if grads is not None:
                     grad_job = replace(grads[0], staged={n: staged.pop(n) for n in grads[1]}, only=only)
             except BaseException as e:
@@ -337,7 +354,9 @@ class CheckpointManager:
             self._queue.put(Job(step, sub, tree, staged, slot, future, last_piece=i == len(pieces) - 1,
                                 plan_key=id(plan), grad=grad_job))
         self._kinds.saved(step, optimizer)
+        self._last_step = step
         handle.staged_s = time.perf_counter() - t0
+        self._events.staged(step, staged_bytes, handle.staged_s)
         return handle
 
     def save_if_due(self, step: int, state: Mapping[str, Any], now: float | None = None) -> SaveHandle | None:
@@ -374,6 +393,7 @@ class CheckpointManager:
             job = self._queue.get()
             if job is None:
                 return
+            self._events.started(job.step)
             keep = False  # in delta mode a committed step's slot becomes the next base
             try:
                 if job.error is not None:
@@ -395,9 +415,11 @@ class CheckpointManager:
             try:
                 record = self._committer.run(job, files, err, self._kinds.base_of(job))
                 keep = self._kinds.advance(job)
+                self._events.committed(job.step, record, job.kind)
                 job.future.set_result(record)
             except BaseException as e:  # noqa: BLE001
                 self._kinds.failed()
+                self._events.failed(job.step, e)
                 job.future.set_exception(e)
             finally:
                 if job.slot is not None and self.delta is not None and not keep:
@@ -417,15 +439,28 @@ class CheckpointManager:
         """The newest committed step, None when there is none."""
         return self.repo.latest()
 
-    def restore(self, step: int | None = None) -> Any:
+    def restore(self, step: int | None = None, *, rank_state: bool = False, handover: Any = None) -> Any:
         """The state dict of ``step`` (default: the latest committed), as it was saved.
 
         With a layout: this rank's local state under the manager's layout and mesh (from a step saved
         under any layout), its tensors at their local names and the step's JSON values kept.
+
+        ``rank_state=True`` returns ``(state, this rank's rank_state)`` (None for a step saved without one),
+        handed over by ``handover(old_states, new_world) -> new_states`` (default
+        :func:`ucl.write.rank_state.default_handover`) when the data-parallel size changed. docs/state.md.
         """
+        t0 = time.perf_counter()
+        step = self.repo.latest() if step is None else step  # the step the log names (load reads the same)
         if self.layout is not None:
-            return load(self.repo.store, step, layout=self.layout, mesh=self.mesh, rank=self.rank)
-        return load(self.repo.store, step)
+            out = load(self.repo.store, step, layout=self.layout, mesh=self.mesh, rank=self.rank)
+        else:
+            out = load(self.repo.store, step)
+        self._events.restored(step, time.perf_counter() - t0, self.layout)
+        if rank_state or handover is not None:
+            assert step is not None  # load found no step otherwise
+            tree = self.repo.step_meta(step).tree
+            return out, _rank_state.restored(tree, self.rank, self.world, self.mesh, handover)
+        return out
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ucl.errors import UCLError
 from ucl.format.repository import Repository, commit_key, step_prefix
+from ucl.write.events import log
 
 
 class Retention:
@@ -32,7 +33,11 @@ class Retention:
         if self.keep_every:
             keep |= {s for s in steps if s % self.keep_every == 0}
         keep |= needed_bases(self.repo, keep)
-        self.delete_steps([s for s in steps if s not in keep and s < newest])
+        drop = [s for s in steps if s not in keep and s < newest]
+        if drop:
+            log.info("retention (keep_last=%s, keep_every=%s) deletes step(s) %s of %s", self.keep_last,
+                     self.keep_every, ", ".join(map(str, drop)), self.repo.url)
+        self.delete_steps(drop)
 
     def delete_steps(self, steps: list[int]) -> None:
         """Remove steps so that at every instant every listed step is readable: the commit records first,
@@ -50,6 +55,7 @@ class Retention:
 
     def delete_step(self, step: int) -> None:
         """Remove a step: its commit record first (the step disappears atomically), then its files."""
+        log.info("deleting step %d of %s", step, self.repo.url)
         self.delete_steps([step])
 
 

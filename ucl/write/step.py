@@ -7,6 +7,7 @@ Every writer goes through :class:`StepWriter`: :func:`ucl.save` (ucl.write.save)
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,7 +20,7 @@ from ucl.format.metadata import ArrayMeta, CommitRecord, StepMeta
 from ucl.format.repository import Repository, check_step, commit_key, compaction_journal, step_prefix
 from ucl.format.shardfile import encode_shard, shard_digest
 from ucl.io.stores.base import Store
-from ucl.write import compaction
+from ucl.write import compaction, events
 
 FileEntry = tuple[int, int]  # (size, crc32c)
 
@@ -52,8 +53,10 @@ class StepWriter:
         self.prefix = step_prefix(self.step)
         self.lock = lock
         self._owned: WriterLock | None = None
+        self._began: float | None = None  # when begin() ran (the committed step's log line times from it)
 
     def begin(self) -> None:
+        self._began = time.perf_counter()
         if self.lock is None:
             self.lock = self._owned = WriterLock.acquire(self.repo)
         try:
@@ -112,9 +115,14 @@ class StepWriter:
             raise WriteError(f"step {self.step} of {self.repo.url}: StepWriter.commit without the writer lock "
                              "(call begin() first, or pass lock=)", file=commit_key(self.step))
         try:
-            return self._commit(meta, files, documents)
+            record = self._commit(meta, files, documents)
         finally:
             self.release()
+        events.log.debug("commit record of step %d written in %s: %d file(s), %.1f MB", self.step, self.repo.url,
+                         len(record.files), record.nbytes / 1e6)
+        if self._began is not None:  # one writer from begin to commit (the manager logs its own steps)
+            events.committed(self.step, self.repo.url, meta.kind, record.nbytes, time.perf_counter() - self._began)
+        return record
 
     def _commit(self, meta: StepMeta, files: Mapping[str, FileEntry],
                 documents: Mapping[str, FileEntry] | None) -> CommitRecord:
