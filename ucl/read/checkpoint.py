@@ -23,13 +23,13 @@ from ucl.delta.gradients import replay_records
 from ucl.errors import (
     CheckpointNotFoundError,
     DeltaChainError,
-    IntegrityError,
-    StepRemovedError,
-    UCLError,
     InconsistentMetadataError,
+    IntegrityError,
     InvalidArgumentError,
     MissingShardError,
+    StepRemovedError,
     TensorNotFoundError,
+    UCLError,
 )
 from ucl.format import structure
 from ucl.format.metadata import ArrayMeta, CommitRecord, StepMeta

@@ -39,13 +39,14 @@ from typing import Any
 from ucl.errors import InvalidArgumentError, StepExistsError
 from ucl.format import structure
 from ucl.format.lock import WriterLock
-from ucl.write import compaction
 from ucl.format.metadata import CommitRecord
 from ucl.format.repository import Repository, check_step, commit_key, step_prefix
 from ucl.layout import as_layout, as_mesh
 from ucl.options import DEFAULT_WRITE, WriteOptions
 from ucl.plan import save as saveplan
 from ucl.read.load import load
+from ucl.write import compaction
+from ucl.write import rank_state as _rank_state
 from ucl.write.collectives import Collectives
 from ucl.write.commit import StepCommit
 from ucl.write.events import SaveEvents
@@ -53,7 +54,6 @@ from ucl.write.handle import SaveHandle
 from ucl.write.job import Job
 from ucl.write.kinds import StepKinds
 from ucl.write.planning import Planner
-from ucl.write import rank_state as _rank_state
 from ucl.write.policy import AdaptiveInterval, DeltaPolicy
 from ucl.write.retention import Retention
 from ucl.write.shards import ShardWriter
