@@ -13,7 +13,6 @@ the package: docs/architecture.md).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -41,7 +40,6 @@ def _load() -> None:
     global _state
     _state = "loading"
     try:
-        from ucl.format.dtypes import register_zarr_dtypes
         from ucl.format.repository import Repository
         from ucl.io.stores import Store
         from ucl.read.checkpoint import Checkpoint, open
@@ -57,10 +55,6 @@ def _load() -> None:
             LazyTensor=LazyTensor, LogicalTensor=LogicalTensor, Report=Report, validate_repo=validate_repo,
             CheckpointManager=CheckpointManager, SaveHandle=SaveHandle, AdaptiveInterval=AdaptiveInterval,
             DeltaPolicy=DeltaPolicy, save=save, save_sharded=save_sharded)
-        # zarr-python learns bfloat16/float8 (also declared as entry points, for processes that never
-        # import ucl)
-        with contextlib.suppress(ImportError):  # zarr is a dependency; tolerate a broken install here only
-            register_zarr_dtypes()
     except BaseException:
         _state = "lazy"
         raise

@@ -55,6 +55,10 @@ from ucl.read.tensors import LazyTensor
 
 __all__ = ["ZarrStore", "ZarrHTTPServer", "serve_http"]
 
+# zarr-python learns bfloat16/float8 here too, not only from the entry points: a source tree run without
+# installing ucl has none (ucl.open itself never imports zarr, which costs ~0.2 s)
+dtypes.register_zarr_dtypes()
+
 MIN_CHUNK_BYTES = 256 << 10  # an inner chunk smaller than this is not used as the zarr chunk
 CHUNK_TARGET_BYTES = 4 << 20  # the chunk size chosen otherwise
 _CHUNK_INDEX = re.compile(r"^(0|[1-9][0-9]*)$")

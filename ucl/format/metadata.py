@@ -89,37 +89,28 @@ def _validator(name: str) -> Any:
     return strict(schema, registry=registry)
 
 
-_VALID_ARRAY_DOCS: dict[str, None] = {}  # canonical array documents known valid, names blanked (bounded)
+@cache
+def _schema_compiler() -> Any:
+    from ucl.format.schema_compile import Compiler
+
+    return Compiler({p.name: json.loads(p.read_text()) for p in SCHEMA_DIR.glob("*.schema.json")})
+
+
+@cache
+def _compiled(name: str, pointer: str = "") -> Any:
+    """The fast predicate of a schema (ucl.format.schema_compile), built once per process."""
+    return _schema_compiler().compile(f"{name}.schema.json", pointer)
 
 
 def _check_array_schema(doc: Any, what: str) -> None:
-    """check_schema(doc, "array") with a cache: the arrays of a step repeat a few structures (every
-    layer's weight has the same document but for its name), and jsonschema costs ~0.6 ms a document,
-    most of an open. The name is checked by ucl.format.names, so it is blanked in the key; so are the
-    dimension names (derived from the name), whose type is checked on a hit."""
-    try:
-        ucl = doc["attributes"]["ucl"]
-        blank = {**doc, "attributes": {**doc["attributes"], "ucl": {**ucl, "name": ""}}}
-        if isinstance(doc.get("dimension_names"), list):
-            blank["dimension_names"] = len(doc["dimension_names"])
-        key = json.dumps(blank, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    except (KeyError, TypeError, ValueError):
-        key = None
-    if key is not None and key in _VALID_ARRAY_DOCS:
-        if not isinstance(ucl.get("name"), str) or not 1 <= len(ucl["name"]) <= 1024:
-            raise SchemaError(f"{what} does not match array.schema.json at attributes/ucl/name", file=what)
-        if not isinstance(doc.get("dimension_names", []), list | None):
-            raise SchemaError(f"{what} does not match array.schema.json at dimension_names", file=what)
-        return
     check_schema(doc, "array", what)
-    if key is not None:
-        if len(_VALID_ARRAY_DOCS) > 4096:
-            _VALID_ARRAY_DOCS.clear()
-        _VALID_ARRAY_DOCS[key] = None
 
 
 def check_schema(doc: Any, schema: str, what: str) -> None:
-    """Raise SchemaError naming the first violation of ``schema`` in ``doc``."""
+    """Raise SchemaError naming the first violation of ``schema`` in ``doc``. A valid document is
+    accepted by the compiled predicate alone; jsonschema (the reference) names the violation."""
+    if _compiled(schema)(doc):
+        return
     err = next(iter(sorted(_validator(schema).iter_errors(doc), key=lambda e: list(e.absolute_path))), None)
     if err is not None:
         where = "/".join(str(p) for p in err.absolute_path) or "(root)"
@@ -135,6 +126,8 @@ def _logical_validator() -> Any:
 
 def check_logical(rec: Any, what: str, tensor: str | None = None) -> None:
     """Raise SchemaError unless ``rec`` is a logical record (spec/layout.md §6.3, layout.schema.json)."""
+    if _compiled("layout", "/$defs/logical_record")(rec):
+        return
     err = next(iter(sorted(_logical_validator().iter_errors(rec), key=lambda e: list(e.absolute_path))), None)
     if err is not None:
         where = "/".join(str(p) for p in err.absolute_path) or "(root)"

@@ -106,10 +106,14 @@ class Repository:
 
     def latest(self) -> int | None:
         """The newest step whose commit record verifies, or None."""
+        found = self.latest_record()
+        return None if found is None else found[0]
+
+    def latest_record(self) -> tuple[int, CommitRecord] | None:
+        """The newest step whose commit record verifies, with that record (parsed once), or None."""
         for step in reversed(self.steps()):
             try:
-                self.commit_record(step)
-                return step
+                return step, self.commit_record(step)
             except CheckpointNotFoundError:
                 continue
             except Exception:  # a corrupt newest record: fall back to the previous step

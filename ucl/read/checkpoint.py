@@ -452,10 +452,12 @@ def open(path: str | os.PathLike[str] | Store, step: int | None = None, *,  # no
     """
     repo = Repository.open(path, storage_options)
     if step is None:
-        step = repo.latest()
-        if step is None:
+        found = repo.latest_record()
+        if found is None:
             raise CheckpointNotFoundError(f"{repo.url} has no committed step", file=repo.url)
-    record = repo.commit_record(step)
+        step, record = found
+    else:
+        record = repo.commit_record(step)
     return Checkpoint(repo, step, record, repo.step_meta(step, record), approximate=approximate, options=options)
 
 

@@ -1,0 +1,126 @@
+"""The compiled schema predicates (ucl.format.schema_compile) agree with jsonschema, the reference: on
+every JSON document of the conformance fixtures, against every schema, and on mutations of them. The
+predicate may never accept what jsonschema refuses (that would drop a check)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from ucl.format import metadata
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMAS = ["array", "commit", "common", "delta", "layout", "repository", "step"]
+
+
+def _documents() -> list[object]:
+    docs = []
+    for p in sorted((ROOT / "conformance" / "fixtures").rglob("*.json")):
+        if p.stat().st_size > 1 << 20:
+            continue
+        try:
+            doc = json.loads(p.read_bytes())
+        except (ValueError, UnicodeDecodeError, RecursionError):  # fixtures of malformed JSON
+            continue
+        docs.append(doc)
+        if isinstance(doc, dict):  # the arrays of a step document's consolidated metadata, one by one
+            meta = doc.get("consolidated_metadata", {})
+            if isinstance(meta, dict) and isinstance(meta.get("metadata"), dict):
+                docs.extend(meta["metadata"].values())
+    return docs
+
+
+DOCS = _documents()
+
+
+def _reference(schema: str, doc: object) -> bool:
+    return next(iter(metadata._validator(schema).iter_errors(doc)), None) is None
+
+
+def _mutations(doc: object, rng: random.Random, n: int) -> list[object]:
+    """Small edits a hostile or buggy writer makes: a key dropped, a value replaced by another type, an
+    integer spelled as a float, a list shortened or grown."""
+    paths: list[list[object]] = []
+
+    def walk(x: object, path: list[object]) -> None:
+        paths.append(path)
+        if isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, [*path, k])
+        elif isinstance(x, list):
+            for i, v in enumerate(x):
+                walk(v, [*path, i])
+
+    walk(doc, [])
+    out = []
+    replacements: list[object] = [None, True, 0, -1, 4.0, 2**62, "", "x", [], {}, [1, 2], {"a": 1}]
+    for _ in range(n):
+        d = copy.deepcopy(doc)
+        path = rng.choice(paths)
+        if not path:
+            continue
+        parent = d
+        for p in path[:-1]:
+            parent = parent[p]  # type: ignore[index]
+        key = path[-1]
+        op = rng.randrange(4)
+        if op == 0 and isinstance(parent, dict):
+            del parent[key]
+        elif op == 1 and isinstance(parent, list):
+            parent.append(copy.deepcopy(parent[key]))  # type: ignore[index]
+        elif op == 2 and type(parent[key]) is int:  # type: ignore[index]
+            parent[key] = float(parent[key])  # type: ignore[index]
+        else:
+            parent[key] = rng.choice(replacements)  # type: ignore[index]
+        out.append(d)
+    return out
+
+
+def test_fixtures_are_many() -> None:
+    assert len(DOCS) > 200
+
+
+@pytest.mark.parametrize("schema", SCHEMAS)
+def test_compiled_agrees_with_jsonschema_on_fixtures(schema: str) -> None:
+    fast = metadata._compiled(schema)
+    for doc in DOCS:
+        assert fast(doc) == _reference(schema, doc), (schema, json.dumps(doc)[:300])
+
+
+@pytest.mark.parametrize("schema", ["array", "commit", "step", "repository"])
+def test_compiled_agrees_with_jsonschema_on_mutations(schema: str) -> None:
+    rng = random.Random(schema)
+    fast = metadata._compiled(schema)
+    valid = [d for d in DOCS if _reference(schema, d)]
+    assert valid
+    checked = 0
+    for doc in rng.sample(valid, min(len(valid), 60)):
+        for m in _mutations(doc, rng, 15):
+            assert fast(m) == _reference(schema, m), (schema, json.dumps(m)[:300])
+            checked += 1
+    assert checked > 100
+
+
+def test_logical_record_predicate_agrees() -> None:
+    fast = metadata._compiled("layout", "/$defs/logical_record")
+    ref = metadata._logical_validator()
+    recs = [d["attributes"]["ucl"]["logical"] for d in DOCS if isinstance(d, dict)
+            and isinstance(d.get("attributes"), dict) and isinstance(d["attributes"].get("ucl"), dict)
+            and "logical" in d["attributes"]["ucl"]]
+    assert recs
+    rng = random.Random(0)
+    for rec in recs:
+        for m in [rec, *_mutations(rec, rng, 10)]:
+            assert fast(m) == (next(iter(ref.iter_errors(m)), None) is None)
+
+
+def test_a_violation_still_names_its_place() -> None:
+    doc = next(d for d in DOCS if _reference("array", d))
+    bad = copy.deepcopy(doc)
+    bad["shape"] = [4.0] * len(bad["shape"]) or [4.0]
+    with pytest.raises(metadata.SchemaError, match="shape"):
+        metadata.check_schema(bad, "array", "w/zarr.json")
