@@ -102,10 +102,6 @@ def _compiled(name: str, pointer: str = "") -> Any:
     return _schema_compiler().compile(f"{name}.schema.json", pointer)
 
 
-def _check_array_schema(doc: Any, what: str) -> None:
-    check_schema(doc, "array", what)
-
-
 def check_schema(doc: Any, schema: str, what: str) -> None:
     """Raise SchemaError naming the first violation of ``schema`` in ``doc``. A valid document is
     accepted by the compiled predicate alone; jsonschema (the reference) names the violation."""
@@ -277,7 +273,7 @@ class ArrayMeta:
         if isinstance(doc, dict) and "data_type" in doc and doc["data_type"] not in dtypes.SPEC_DTYPES:
             raise UnsupportedDTypeError(f"{what}: data type {str(doc['data_type'])[:64]!r} is not one of the spec's",
                                         file=what)
-        _check_array_schema(doc, what)
+        check_schema(doc, "array", what)
         shape = tuple(doc["shape"])
         chunk = tuple(doc["chunk_grid"]["configuration"]["chunk_shape"])
         shard = doc["codecs"][0]["configuration"]
