@@ -194,8 +194,8 @@ def report(
                 c,
                 f"{gbps[c]:.3g}",
                 f"{m['seconds']:.3f}",
-                f"{gbps[c] / gbps[best_peer]:.2f}",
-                f"{gbps[c] / gbps[best_dev]:.2f}",
+                f"{gbps[c] / gbps[best_peer]:.3g}",
+                f"{gbps[c] / gbps[best_dev]:.3g}",
                 C.fmt_bytes(m["peak_rss_delta"]),
                 C.fmt_bytes(m["disk"]),
             ]
