@@ -99,9 +99,9 @@ class WriteOptions:
     Attributes
     ----------
     inner_chunk_bytes
-        Target size of an inner chunk (the unit of a checksum and of a partial read): the largest chunk
-        of at most this many bytes that divides the writer's block, splitting leading dimensions first
-        (:func:`ucl.format.shardfile.choose_inner_chunk`). spec/core.md recommends 1-8 MiB.
+        Target size of an inner chunk (the unit of a checksum and of a partial read): inner chunks are
+        a quarter to twice this size for any shape (:func:`ucl.format.shardfile.choose_chunks`).
+        spec/core.md §6 recommends 1-8 MiB.
     commit_threads
         Documents and directory syncs in flight at commit (local filesystems without syncfs, object
         stores).

@@ -68,7 +68,7 @@ from ucl.errors import InvalidArgumentError, InvalidNameError, UCLError, WriteEr
 from ucl.format import dtypes, names, structure
 from ucl.format.metadata import ArrayMeta, CommitRecord, StepMeta
 from ucl.format.repository import Repository, check_step
-from ucl.format.shardfile import choose_inner_chunk
+from ucl.format.shardfile import choose_chunks
 from ucl.options import DEFAULT_WRITE, WriteOptions
 from ucl.read.checkpoint import Checkpoint
 from ucl.read.checkpoint import open as open_step
@@ -323,7 +323,7 @@ class Writer(StorageWriter):
             shape = tuple(int(s) for s in td.size)
             chunk = chunk_grid(fqn, shape, boxes[fqn])
             dtype = dtypes.from_torch(td.properties.dtype)
-            inner = choose_inner_chunk(chunk, dtypes.itemsize(dtype), self.options.inner_chunk_bytes)
+            chunk, inner = choose_chunks(shape, chunk, dtypes.itemsize(dtype), self.options.inner_chunk_bytes)
             arrays[fqn] = ArrayMeta(name=name, shape=shape, dtype=dtype, chunk_shape=chunk,
                                     inner_chunk_shape=inner, compression=self.compression)
         writer = StepWriter(repo, step, commit_threads=self.options.commit_threads)

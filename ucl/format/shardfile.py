@@ -7,6 +7,7 @@ an absent chunk, followed by the index's crc32c. Pure functions: bytes in, bytes
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import struct
@@ -33,10 +34,62 @@ def index_nbytes(n_inner: int) -> int:
 def choose_inner_chunk(block: tuple[int, ...], itemsize: int, target: int | None = None) -> tuple[int, ...]:
     """Largest inner chunk <= ``target`` bytes that divides ``block``, splitting leading dimensions first.
 
-    Splitting only leading dimensions keeps each inner chunk one contiguous run of the writer's tensor,
-    so shards are written and read without copies.
+    Each inner chunk is one contiguous run of the block, but for a dimension with no divisor near the
+    target it can be tiny (3 rows of a [32001, 4096] tensor): writers use :func:`choose_chunks`. Kept for
+    chunkings that must be contiguous runs of their block (the zarr_store adapter's views).
+    """
+    return _leading_divisors(tuple(max(1, b) for b in block), itemsize,
+                             INNER_CHUNK_BYTES if target is None else target)
+
+
+def choose_chunks(shape: tuple[int, ...], block: tuple[int, ...], itemsize: int, target: int | None = None,
+                  free: Iterable[int] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(grid chunk shape, inner chunk shape) for a writer's ``block`` of an array of ``shape``
+    (spec/core.md §6): inner chunks of INNER_LO..INNER_HI times ``target`` bytes (1-8 MiB by default)
+    whenever the block is that large, for any shape.
+
+    ``free``: the dimensions along which the writer may round the grid chunk up to a multiple of the
+    inner chunk, past the array's end (default: those the block holds whole, ``block[d] >= shape[d]``);
+    the grid chunk of every other dimension stays ``block[d]``, which the inner chunk then divides. In
+    order of preference:
+
+    1. the inner chunk the divisors of the block give, splitting leading dimensions only (one
+       contiguous run of the writer's tensor, no copies), when it is within the range or the whole block
+       (all shapes whose dimensions have divisors near the target: nothing changes for them);
+    2. one split dimension ``p`` (the first whose trailing dimensions fit the target), the dimensions
+       before it 1 and after it whole: still one contiguous run; along a free ``p`` any size, the grid
+       chunk rounded up to ``m`` equal inner chunks (the padding, in the last one, is under ``m`` rows);
+    3. a second split dimension ``q > p``, which costs a gather copy of each inner chunk on write and read
+       (a writer's block of ``ceil(n/k)`` rows without a divisor near the target);
+    4. out of range, as close to it as the divisors allow (a prime block along every dimension).
     """
     target = INNER_CHUNK_BYTES if target is None else target
+    block = tuple(max(1, b) for b in block)
+    shape = tuple(shape)
+    nd = len(block)
+    if nd == 0:
+        return (), ()
+    ext = tuple(max(1, min(s, b)) for s, b in zip(shape, block, strict=True))  # the data along each dim
+    free_ = {d for d in range(nd) if block[d] >= shape[d]} if free is None else set(free)
+    old = _leading_divisors(block, itemsize, target)
+    lo, hi = max(1, int(target * INNER_LO)), int(target * INNER_HI)
+    if old == block or lo <= math.prod(old) * itemsize <= hi:
+        return block, old
+    best = _search(block, ext, itemsize, target, lo, hi, free_)
+    inner = best if best is not None else old
+    chunk = tuple(-(-e // i) * i if d in free_ and b % i else b
+                  for d, (e, b, i) in enumerate(zip(ext, block, inner, strict=True)))
+    return chunk, inner
+
+
+#: inner chunks within [INNER_LO, INNER_HI] times the target are good (1-8 MiB for the default 4 MiB)
+INNER_LO, INNER_HI = 0.25, 2.0
+_HEAVY_PAD = 1 / 16  # padding above this fraction of the block ranks below every other choice in range
+
+
+def _leading_divisors(block: tuple[int, ...], itemsize: int, target: int) -> tuple[int, ...]:
+    """Largest inner chunk <= ``target`` bytes that divides ``block``, splitting leading dimensions first
+    (ucl <= 1.1's only choice; still :func:`choose_chunks`' first)."""
     inner = list(block)
     for d in range(len(inner)):
         rest = math.prod(inner[d + 1 :]) * itemsize
@@ -48,6 +101,68 @@ def choose_inner_chunk(block: tuple[int, ...], itemsize: int, target: int | None
                 best = max(best, k)
         inner[d] = best
     return tuple(max(1, x) for x in inner)
+
+
+def _search(block: tuple[int, ...], ext: tuple[int, ...], itemsize: int, target: int, lo: int, hi: int,
+            free: set[int]) -> tuple[int, ...] | None:
+    """The best inner chunk of the families 2-4 of :func:`choose_chunks` (None: none within limits)."""
+    nd = len(block)
+    rest = [math.prod(block[d + 1 :]) * itemsize for d in range(nd)]
+    p = next((d for d in range(nd) if rest[d] <= target), nd - 1)
+    total = math.prod(ext) * itemsize
+    best: tuple[tuple[float, ...], tuple[int, ...]] | None = None
+
+    def sizes(d: int, want: float) -> set[int]:
+        """Candidate inner sizes along ``d`` near ``want`` elements: the divisors of the block just below
+        and above it; along a free dimension also ``ceil(ext/m)`` for the piece counts m around it."""
+        j = bisect.bisect_left(divs[d], want)
+        out = set(divs[d][max(0, j - 1) : j + 1])
+        if d in free and want < ext[d]:
+            m0 = max(1, round(ext[d] / max(want, 1)))
+            out.update(-(-ext[d] // m) for m in range(max(1, m0 - 3), m0 + 4))
+        return {x for x in out if 1 <= x <= block[d]}
+
+    def consider(inner: list[int], two_d: bool) -> None:
+        nonlocal best
+        nbytes = math.prod(inner) * itemsize
+        if nbytes > _MAX_INNER_BYTES:
+            return
+        chunk = [-(-e // i) * i if d in free and b % i else b
+                 for d, (e, b, i) in enumerate(zip(ext, block, inner, strict=True))]
+        if math.prod(c // i for c, i in zip(chunk, inner, strict=True)) > _MAX_INNER_CHUNKS:
+            return
+        padded = math.prod(chunk) * itemsize > math.prod(block) * itemsize
+        pad = (math.prod(chunk) - math.prod(ext)) * itemsize / max(total, 1) if padded else 0.0
+        dist = 0.0 if lo <= nbytes <= hi else abs(math.log2(nbytes / (lo if nbytes < lo else hi)))
+        # one split dimension: unpadded first (the grid stays the array's); two: the runs along q
+        # matter more than padding (a 4-byte run per row would be unpadded)
+        tier = 3 if pad > _HEAVY_PAD else 2 if two_d else int(pad > 0)
+        # two split dimensions: the fewest elements along the first (p), so that a slice of a few
+        # indices along it reads the least and runs along q are the longest; then closeness to the
+        # target, in quarters of a doubling (sizes that close are as good), the least padding, the closest
+        near = abs(math.log2(nbytes / target))
+        key = (dist, tier, inner[p] if two_d else 0, math.floor(near * 4), pad, near)
+        if best is None or key < best[0]:
+            best = (key, tuple(inner))
+
+    base = [1] * p + list(block[p:])
+    divs = {d: sorted(set(_divisors(block[d]))) for d in range(p, nd)}
+    for x in sizes(p, target / rest[p]):  # one split dimension: contiguous runs
+        consider([*base[:p], x, *base[p + 1 :]], False)
+    if best is not None and best[0][0] == 0 and best[0][1] < 2:
+        return best[1]
+    for x in divs[p]:  # a second split dimension q > p
+        if x * rest[p] <= hi:
+            continue  # the contiguous family has it
+        for q in range(p + 1, nd):
+            mid = x * math.prod(block[p + 1 : q]) * itemsize
+            for y in sizes(q, target / (mid * math.prod(block[q + 1 :]))):
+                consider([*base[:p], x, *block[p + 1 : q], y, *block[q + 1 :]], True)
+    return best[1] if best is not None else None
+
+
+_MAX_INNER_BYTES = 1 << 31  # spec/core.md §6 item 4
+_MAX_INNER_CHUNKS = 1 << 24
 
 
 def _divisors(n: int) -> Iterator[int]:

@@ -23,7 +23,7 @@ import torch
 from ucl.errors import InvalidArgumentError
 from ucl.format import dtypes, names
 from ucl.format.metadata import ArrayMeta
-from ucl.format.shardfile import INNER_CHUNK_BYTES, choose_inner_chunk
+from ucl.format.shardfile import INNER_CHUNK_BYTES, choose_chunks
 from ucl.layout import Layout, Mesh
 from ucl.layout.resolve import Resolver
 from ucl.layout.transforms import make_tile
@@ -123,10 +123,18 @@ def plan_rank(
 
 
 def inner_chunk_for(spec: Any, split: Sequence[int] = (), inner_bytes: int = INNER_CHUNK_BYTES) -> tuple[int, ...]:
-    """The inner chunk of a layout array: :func:`ucl.format.shardfile.choose_inner_chunk` of its chunk (the rank's
-    block), after splitting its first dimension and the dimensions ``split``: each halved in turn (the
-    last dimension first), while it stays within SPLIT pieces, the inner chunk at least MIN_INNER_BYTES
-    and rows along it at least MIN_RUN_BYTES."""
+    """The inner chunk of a layout array (:func:`chunks_for`)."""
+    return chunks_for(spec, split, inner_bytes)[1]
+
+
+def chunks_for(spec: Any, split: Sequence[int] = (),
+               inner_bytes: int = INNER_CHUNK_BYTES) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(grid chunk shape, inner chunk shape) of a layout array: :func:`ucl.format.shardfile.choose_chunks`
+    of its chunk (the rank's block), after splitting its first dimension and the dimensions ``split``:
+    each halved in turn (the last dimension first), while it stays within SPLIT pieces, the inner chunk
+    at least MIN_INNER_BYTES and rows along it at least MIN_RUN_BYTES. The grid chunk is the spec's,
+    except along a dimension that one block holds whole and that was not split: there it may be rounded
+    up to a multiple of the inner chunk (spec/core.md §6)."""
     block = tuple(max(1, c) for c in spec.chunk_shape)
     itemsize = dtypes.itemsize(spec.dtype)
     pre = list(block)
@@ -146,7 +154,10 @@ def inner_chunk_for(spec: Any, split: Sequence[int] = (), inner_bytes: int = INN
             if d > lead and math.prod(cand[d:]) * itemsize < MIN_RUN_BYTES:
                 continue
             pre, parts[d], grown = cand, k, True
-    return choose_inner_chunk(tuple(pre), itemsize, inner_bytes)
+    shape = tuple(spec.shape)
+    free = [d for d in range(len(block)) if pre[d] == block[d] >= shape[d] and d >= lead]
+    chunk, inner = choose_chunks(shape, tuple(pre), itemsize, inner_bytes, free=free)
+    return tuple(chunk[d] if d in free else block[d] for d in range(len(block))), inner
 
 
 def split_dims(
@@ -179,12 +190,13 @@ def meta_for_spec(
     inner_bytes: int = INNER_CHUNK_BYTES,
 ) -> ArrayMeta:
     """The stored-array metadata of a layout array (``ucl.plan.ArraySpec``)."""
+    chunk, inner = chunks_for(spec, split, inner_bytes)
     return ArrayMeta(
         name=names.check_name(spec.name),
         shape=tuple(spec.shape),
         dtype=spec.dtype,
-        chunk_shape=tuple(max(1, c) for c in spec.chunk_shape),
-        inner_chunk_shape=inner_chunk_for(spec, split, inner_bytes),
+        chunk_shape=chunk,
+        inner_chunk_shape=inner,
         compression=compression,
         logical=dict(spec.logical) if spec.logical else None,
     )
@@ -321,11 +333,13 @@ def array_for_shape(name: str, shape: tuple[int, ...], dtype: str | torch.dtype,
                     chunk_shape: tuple[int, ...] | None = None, compression: dict[str, Any] | None = None,
                     inner_bytes: int = INNER_CHUNK_BYTES) -> ArrayMeta:
     """:func:`array_for` from a shape and a data type (a spec name or a torch dtype) alone: for a writer
-    whose values come from elsewhere (compaction reads them from the step it rewrites)."""
+    whose values come from elsewhere (compaction reads them from the step it rewrites). The grid chunk is
+    the block (default: the whole tensor), rounded up past the array's end along a dimension it holds
+    whole when that gives better inner chunks (:func:`ucl.format.shardfile.choose_chunks`)."""
     dtype = dtypes.check(dtype) if isinstance(dtype, str) else dtypes.from_torch(dtype, tensor=name)
     shape = tuple(shape)
     block = tuple(max(1, s) for s in (chunk_shape or shape))
-    inner = choose_inner_chunk(block, dtypes.itemsize(dtype), inner_bytes)
+    block, inner = choose_chunks(shape, block, dtypes.itemsize(dtype), inner_bytes)
     return ArrayMeta(name=names.check_name(name), shape=shape, dtype=dtype, chunk_shape=block,
                      inner_chunk_shape=inner, compression=compression)
 

@@ -45,7 +45,7 @@ from ucl.format.repository import (
     compaction_journal,
     compaction_prefix,
 )
-from ucl.format.shardfile import choose_inner_chunk, encode_shard, shard_digest
+from ucl.format.shardfile import encode_shard, shard_digest
 from ucl.options import DEFAULT_WRITE, WriteOptions
 from ucl.plan.save import all_shards, array_for_shape
 from ucl.read.checkpoint import Checkpoint
@@ -143,7 +143,7 @@ def _stage(repo: Repository, step: int, record: CommitRecord, meta: StepMeta, co
     store.delete_prefix(staging)
     comp = {"name": "zstd", "configuration": {"level": 1, "checksum": False}} if compression == "zstd" else None
     arrays = {n: ArrayMeta(name=a.name, shape=a.shape, dtype=a.dtype, chunk_shape=a.chunk_shape,
-                           inner_chunk_shape=choose_inner_chunk(a.chunk_shape, a.itemsize, options.inner_chunk_bytes), compression=comp,
+                           inner_chunk_shape=a.inner_chunk_shape, compression=comp,
                            logical=a.logical) for n, a in meta.arrays.items()}
     extensions = meta.extensions
     files: dict[str, FileEntry] = {}
