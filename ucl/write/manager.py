@@ -80,6 +80,14 @@ class CheckpointManager:
         Upper bound on staging memory (both slots together). Default: two copies of what this rank
         writes. A smaller budget streams the state through the slots: ``save`` then returns once the
         last piece is staged. Each slot must hold the largest single tensor.
+    prepare
+        When the staging memory is allocated and its pages touched (fresh pages cost several times the
+        copy into them; docs/staging.md). ``None`` (default): with ``staging_bytes``, the budget now;
+        without, the first save allocates its own slot (and pays for it) and the other slots of that size
+        are prepared right after it. A state dict (the one ``save`` will be given, its tensors real,
+        optimizer state included): slots for it now, as :meth:`prepare`. ``True``: the budget now
+        (needs ``staging_bytes``). ``False``: every slot when a save first needs it, paid by that save.
+        Whatever is prepared now is touched on a background thread while training runs, never twice.
     writer_threads, direct
         C write pool size and O_DIRECT choice (see ucl.io.native.FileWriter).
     process_group
@@ -158,7 +166,8 @@ class CheckpointManager:
                  direct: bool | None = None, process_group: Any = None, compression: str | None = None,
                  delta: Any = None, interval: AdaptiveInterval | None = None,
                  storage_options: dict[str, Any] | None = None, timeout: float = 600.0,
-                 layout: Any = None, mesh: Any = None, options: WriteOptions = DEFAULT_WRITE) -> None:
+                 layout: Any = None, mesh: Any = None, options: WriteOptions = DEFAULT_WRITE,
+                 prepare: Any = None) -> None:
         if when_busy not in ("wait", "skip"):
             raise InvalidArgumentError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
         for n, v in (("keep_last", keep_last), ("keep_every", keep_every)):
@@ -171,6 +180,12 @@ class CheckpointManager:
         if delta is not None and not isinstance(delta, DeltaPolicy):
             raise InvalidArgumentError(f"delta must be None, True or a ucl.write.policy.DeltaPolicy, "
                                        f"got {delta!r}")
+        if prepare is True and staging_bytes is None:
+            raise InvalidArgumentError("prepare=True prepares the staging_bytes budget: pass staging_bytes=, "
+                                       "or prepare=<an example state>")
+        if not (prepare is None or isinstance(prepare, (bool, Mapping))):
+            raise InvalidArgumentError(f"prepare must be None, a bool or a state dict, "
+                                       f"got {type(prepare).__name__}")
         if delta is not None and staging_bytes is not None:
             raise InvalidArgumentError("delta steps need the previous step staged whole: staging_bytes "
                                        "cannot be combined with delta")
@@ -211,7 +226,8 @@ class CheckpointManager:
         codec = {"name": "zstd", "configuration": {"level": 1, "checksum": False}} if compression else None
         self._planner = Planner(self._ctl, self.rank, self.world, codec, self.layout, self.mesh, dtensor,
                                 options.inner_chunk_bytes)
-        self._staging = Staging(staging_bytes, 3 if delta is not None else 2)
+        self._staging = Staging(staging_bytes, 3 if delta is not None else 2, eager=prepare is not False,
+                                threads=options.staging_threads)
         self._kinds = StepKinds(delta, self._staging, self._ctl, self.rank, self.world, options.inner_chunk_bytes)
         self._shards = ShardWriter(self.repo, self.rank, writer_threads, direct)
         self._retention = Retention(self.repo, keep_last, keep_every)
@@ -222,6 +238,12 @@ class CheckpointManager:
         self._closed = False
         self._thread = threading.Thread(target=self._persist_loop, name="ucl-persist", daemon=True)
         self._thread.start()
+        if isinstance(prepare, Mapping) or (prepare is not False and staging_bytes is not None):
+            try:
+                self.prepare(prepare if isinstance(prepare, Mapping) else None)
+            except BaseException:
+                self.close()
+                raise
 
     def _open_repo(self, path: Any, storage_options: dict[str, Any] | None) -> tuple[Repository, WriterLock | None]:
         """The repository and (rank 0) its writer lock. Rank 0 also finishes the compactions a crash
@@ -277,6 +299,46 @@ class CheckpointManager:
         return self._planner.plans
 
     # -- saving (the caller's thread) --------------------------------------------------------------
+    def prepare(self, state: Mapping[str, Any] | None = None, *, optimizer: Any = None,
+                wait: bool = False) -> None:
+        """Allocate the staging memory for saves of ``state`` now and touch its pages on a background
+        thread, so that no save, the first included, pays for fresh memory (docs/staging.md).
+
+        ``state``: what ``save`` will be given (real tensors; only their shapes and dtypes matter; the
+        optimizer's state exists only after its first step: prepare after it). None: the
+        ``staging_bytes`` budget. ``optimizer``, with ``DeltaPolicy(gradients=True)``: the optimizer
+        ``save`` will be given; its parameters' gradients are staged too. ``wait``: return once every
+        page is touched (else at once).
+
+        Every slot (2; 3 with deltas) gets this size. A save that comes before the pages are all
+        touched takes its slot as it is: its copy touches the rest from the bottom while the background
+        thread goes on from the top, nothing touched twice. A later save of a larger state grows the
+        slots (that save allocates its own; the others are replaced in the background); a smaller one
+        uses them. Every rank calls it (a layout plans the state together, as ``save`` does).
+        """
+        if self._closed:
+            raise InvalidArgumentError("CheckpointManager is closed")
+        if state is None:
+            if self._staging.budget is None:
+                raise InvalidArgumentError("prepare() without a state prepares the staging_bytes budget: "
+                                           "construct the manager with staging_bytes=, or pass a state")
+            need = self._staging.slot_bytes(0)
+        else:
+            tensors, _ = structure.flatten(state)
+            if self._planner.dtensor:
+                tensors = self._planner.dtensor_locals(tensors)
+            plan = self._planner.plan(tensors)  # also the first save's plan, cached
+            pieces = self._staging.pieces(plan, tensors)  # a tensor larger than a slot is refused here
+            grads = 0
+            if optimizer is not None and self.delta is not None and self.delta.gradients:
+                grads = footprint({str(i): p for i, p in enumerate(
+                    p for g in optimizer.param_groups for p in g["params"])})
+            largest = max(footprint({s: tensors[s] for s in p}) for p in pieces)
+            need = self._staging.slot_bytes(largest + grads)
+        self._staging.prepare(need)
+        if wait:
+            self._staging.wait_prepared()
+
     def save(self, step: int, state: Mapping[str, Any], *, optimizer: Any = None,
              rank_state: Any = None) -> SaveHandle:
         """Stage ``state`` and return a handle; the step is written and committed in the background.
@@ -491,6 +553,7 @@ class CheckpointManager:
         try:
             self.wait(timeout)
         finally:
+            self._staging.close(timeout)  # the preparer stops after its current chunk
             self._queue.put(None)
             self._thread.join(timeout)
             self._shards.close(timeout)
