@@ -1,14 +1,16 @@
 """Helpers shared by the benchmarks under bench/: states to save, a cold page cache, memory and I/O
-counters, isolated measurement processes, and markdown tables.
+counters, isolated measurement processes, the C device probes (bench/probe.c), and markdown tables.
 
 Everything here is measurement plumbing; the benchmarks themselves say what they compare.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -16,24 +18,56 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 # -- states ----------------------------------------------------------------------------------------
-#: GPT-2-like shapes: (vocab, context, width, layers). "small" is ~200 MB of fp32, "medium" is GPT-2
-#: medium (~1.4 GB); "tiny" is for smoke tests. The vocabulary keeps GPT-2's awkward 50257 rows
-#: (= 29 x 1733), so the embedding's inner chunks are small and many, as they are in real checkpoints.
+#: GPT-2-like shapes: (vocab, context, width, layers). "small" is ~200 MB of fp32, "gpt2" is GPT-2 small
+#: (124 M parameters, ~0.5 GB; 1.49 GB with AdamW: issue 14's state), "medium" is GPT-2 medium (~1.4 GB);
+#: "tiny" is for smoke tests. The vocabulary keeps GPT-2's awkward 50257 rows (= 29 x 1733), so the
+#: embedding's inner chunks are small and many, as they are in real checkpoints.
 SIZES: dict[str, tuple[int, int, int, int]] = {
     "tiny": (1000, 64, 64, 2),
     "small": (50257, 1024, 512, 8),
+    "gpt2": (50257, 1024, 768, 12),
     "medium": (50257, 1024, 1024, 24),
 }
 
 
-def gpt_state(size: str, seed: int = 0) -> dict[str, Any]:
-    """A flat GPT-2-style fp32 state dict of random values (many tensors, varied shapes)."""
+class _Tiled:
+    """Cheap non-constant values: slices of one random block of 4 Mi floats, each tensor from its own
+    offset (a save or load costs the same as with fresh random values, and 1 GB takes 0.2 s, not 4 s)."""
+
+    def __init__(self, seed: int) -> None:
+        import torch
+
+        self.block = torch.randn(4 << 20, generator=torch.Generator().manual_seed(seed))
+        self.at = 0
+
+    def __call__(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        import torch
+
+        out = torch.empty(shape, dtype=dtype)
+        flat = out.view(-1)
+        n, done, b = flat.numel(), 0, self.block.numel()
+        while done < n:
+            k = min(n - done, b - self.at)
+            flat[done : done + k].copy_(self.block[self.at : self.at + k])
+            done += k
+            self.at = (self.at + k) % b
+        self.at = (self.at + 7919) % b
+        return out
+
+
+def gpt_state(size: str, seed: int = 0, fill: str = "randn") -> dict[str, Any]:
+    """A flat GPT-2-style fp32 state dict of random values (many tensors, varied shapes).
+
+    ``fill="tiled"``: values from slices of one random block (:class:`_Tiled`), much faster to make."""
     import torch
 
     vocab, ctx, d, layers = SIZES[size]
     g = torch.Generator().manual_seed(seed)
+    tiled = _Tiled(seed) if fill == "tiled" else None
 
     def rnd(*shape: int) -> torch.Tensor:
+        if tiled is not None:
+            return tiled(shape, torch.float32)
         return torch.randn(*shape, generator=g, dtype=torch.float32)
 
     state: dict[str, Any] = {"transformer.wte.weight": rnd(vocab, d), "transformer.wpe.weight": rnd(ctx, d)}
@@ -57,6 +91,53 @@ def gpt_state(size: str, seed: int = 0) -> dict[str, Any]:
         )
     state["transformer.ln_f.weight"] = rnd(d)
     state["transformer.ln_f.bias"] = rnd(d)
+    return state
+
+
+def training_state(size: str, fill: str = "randn") -> dict[str, Any]:
+    """:func:`gpt_state` under ``model/`` plus its AdamW state (``optim/<name>/exp_avg``, ``exp_avg_sq``):
+    what a training checkpoint holds, 3x the parameters' bytes."""
+    import torch
+
+    params = gpt_state(size, seed=0, fill=fill)
+    state = {f"model/{k}": v for k, v in params.items()}
+    if fill == "tiled":
+        tiled = _Tiled(1)
+        for k, v in params.items():
+            state[f"optim/{k}/exp_avg"] = tiled(tuple(v.shape), torch.float32).mul_(1e-3)
+            state[f"optim/{k}/exp_avg_sq"] = tiled(tuple(v.shape), torch.float32).square_().mul_(1e-6)
+        return state
+    g = torch.Generator().manual_seed(1)
+    for k, v in params.items():
+        state[f"optim/{k}/exp_avg"] = torch.randn(v.shape, generator=g) * 1e-3
+        state[f"optim/{k}/exp_avg_sq"] = torch.rand(v.shape, generator=g) * 1e-6
+    return state
+
+
+#: A Llama-7B-shaped model trimmed to 2 layers, bf16 weights only (~1.33 GB): vocabulary 32001 (Llama's
+#: 32000 plus a pad token; = 3 x 10667, as awkward to chunk as GPT-2's 50257), width 4096, MLP 11008.
+LLAMA = {"vocab": 32001, "d": 4096, "ffn": 11008, "layers": 2}
+
+
+def llama_state(seed: int = 0) -> dict[str, Any]:
+    """The trimmed Llama model of :data:`LLAMA` (bf16, tiled values)."""
+    import torch
+
+    v, d, f = LLAMA["vocab"], LLAMA["d"], LLAMA["ffn"]
+    t = _Tiled(seed)
+    bf = torch.bfloat16
+    state: dict[str, Any] = {"model.embed_tokens.weight": t((v, d), bf)}
+    for i in range(LLAMA["layers"]):
+        p = f"model.layers.{i}."
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            state[p + f"self_attn.{n}.weight"] = t((d, d), bf)
+        state[p + "mlp.gate_proj.weight"] = t((f, d), bf)
+        state[p + "mlp.up_proj.weight"] = t((f, d), bf)
+        state[p + "mlp.down_proj.weight"] = t((d, f), bf)
+        state[p + "input_layernorm.weight"] = t((d,), bf)
+        state[p + "post_attention_layernorm.weight"] = t((d,), bf)
+    state["model.norm.weight"] = t((d,), bf)
+    state["lm_head.weight"] = t((v, d), bf)
     return state
 
 
@@ -106,6 +187,31 @@ def drop_cache(paths: Iterable[str], method: str = "auto") -> str:
     with open("/proc/sys/vm/drop_caches", "w") as fh:
         fh.write("3\n")
     return "drop_caches"
+
+
+def settle(path: str = ".", quiet_s: float = 0.2, timeout: float = 10.0) -> float:
+    """``sync``, then wait until the block device holding ``path`` has had no request in flight for
+    ``quiet_s`` (/sys/dev/block/M:m/inflight), at most ``timeout``: deleted files' discards, writeback
+    and other processes' bursts end before the next measurement. Returns the seconds waited."""
+    t0 = time.perf_counter()
+    os.sync()
+    st = os.stat(path)
+    inflight = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/inflight"
+    if not os.path.exists(inflight):
+        return time.perf_counter() - t0
+    quiet_since = None
+    while time.perf_counter() - t0 < timeout:
+        with open(inflight) as fh:
+            busy = any(int(x) for x in fh.read().split())
+        now = time.perf_counter()
+        if busy:
+            quiet_since = None
+        elif quiet_since is None:
+            quiet_since = now
+        elif now - quiet_since >= quiet_s:
+            break
+        time.sleep(0.01)
+    return time.perf_counter() - t0
 
 
 def cached_fraction(paths: Iterable[str]) -> float:
@@ -260,6 +366,45 @@ def run_child(argv: Sequence[str], timeout: float = 600) -> Any:
         raise RuntimeError(f"child {' '.join(argv)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     return json.loads(lines[-1])
+
+
+# -- the C device probes (bench/probe.c) ------------------------------------------------------------
+PROBE_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe.c")
+
+
+def probe_binary() -> str:
+    """bench/probe.c built with the system cc (once per source version, under bench-out/.probe/)."""
+    with open(PROBE_SRC, "rb") as fh:
+        tag = hashlib.sha256(fh.read()).hexdigest()[:12]
+    out_dir = os.path.join(os.path.dirname(PROBE_SRC), "..", "bench-out", ".probe")
+    exe = os.path.abspath(os.path.join(out_dir, f"probe-{tag}"))
+    if not os.path.exists(exe):
+        os.makedirs(out_dir, exist_ok=True)
+        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
+        tmp = f"{exe}.{os.getpid()}"
+        subprocess.run([cc, "-O2", "-pthread", "-o", tmp, PROBE_SRC], check=True)
+        os.replace(tmp, exe)
+    return exe
+
+
+def probe_write(directory: str, sizes: Sequence[int], threads: int = 4, block: int = 8 << 20,
+                sync: str = "fdatasync") -> dict[str, Any]:
+    """The write probe: files ``directory/p0..`` of ``sizes`` (each rounded up to 4 KiB) with O_DIRECT,
+    ``threads`` requests of ``block`` bytes in flight, ``sync`` (fdatasync each file, one syncfs, none);
+    timed open to close. Returns the probe's JSON (``seconds``, ``joined``, ``bytes``, ...)."""
+    os.makedirs(directory, exist_ok=True)
+    argv = [probe_binary(), "write", directory, *(str(-(-n // 4096) * 4096) for n in sizes),
+            "-t", str(threads), "-b", str(block), "-s", sync]
+    out: dict[str, Any] = json.loads(subprocess.run(argv, check=True, capture_output=True, text=True).stdout)
+    return out
+
+
+def probe_read(files: Sequence[str], threads: int = 4, block: int = 8 << 20) -> dict[str, Any]:
+    """The read probe: ``files`` read with O_DIRECT, ``threads`` requests of ``block`` bytes in flight, into
+    one touched destination; timed open to close. Returns the probe's JSON."""
+    argv = [probe_binary(), "read", *files, "-t", str(threads), "-b", str(block)]
+    out: dict[str, Any] = json.loads(subprocess.run(argv, check=True, capture_output=True, text=True).stdout)
+    return out
 
 
 # -- statistics and tables -------------------------------------------------------------------------

@@ -4,7 +4,10 @@
 
 Rows (GB/s = 1e9 bytes/s, from open to fsync done, median and best of --repeat runs taken in turn):
 
-- device limit: plain O_DIRECT sequential write, 8 MiB blocks, 4 in flight, fdatasync (no copy, no crc)
+- device limit: plain O_DIRECT sequential write, 8 MiB blocks, 4 in flight, fdatasync (no copy, no crc),
+  in the engine (``_engine.device_write``, engine/devbench.c: timed from open to fdatasync done)
+- probe.c: the same from bench/probe.c, the probe of bench/peers.py and bench/save.py (a separate
+  process, built with the system cc; timed from open to close): the two must agree
 - FileWriter direct: the engine with O_DIRECT, source memory not aligned (copied into bounce buffers)
 - FileWriter direct, aligned: the same with 4 KiB-aligned source memory (written in place)
 - FileWriter buffered: the engine without O_DIRECT (page cache, writeback every 32 MiB)
@@ -24,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
+import _common as c
 import numpy as np
 
 from ucl import _engine
@@ -64,6 +68,17 @@ def device_limit(path_dir: str, nbytes: int, block: int = BLOCK, inflight: int =
         if os.path.exists(path):
             os.unlink(path)
     return nbytes / seconds / 1e9
+
+
+def probe_limit(path_dir: str, nbytes: int, block: int = BLOCK, inflight: int = INFLIGHT) -> float:
+    """:func:`device_limit` through bench/probe.c (GB/s)."""
+    where = os.path.join(path_dir, "probe")
+    try:
+        r = c.probe_write(where, [nbytes], threads=inflight, block=block)
+    finally:
+        for f in c.files_under([where]):
+            os.unlink(f)
+    return float(r["bytes"]) / float(r["seconds"]) / 1e9
 
 
 def _filewriter(path_dir: str, src: memoryview, direct: bool) -> float:
@@ -119,6 +134,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir or ".", prefix="ucl-bench-") as d:
         rows: dict[str, Callable[[], float]] = {
             f"device limit (O_DIRECT, {BLOCK >> 20} MiB x{INFLIGHT})": lambda: device_limit(d, nbytes),
+            "probe.c (the same, bench/probe.c)": lambda: probe_limit(d, nbytes),
             "FileWriter direct": lambda: _filewriter(d, unaligned, direct=True),
             "FileWriter direct, aligned": lambda: _filewriter(d, aligned, direct=True),
             "FileWriter buffered": lambda: _filewriter(d, unaligned, direct=False),

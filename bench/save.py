@@ -11,7 +11,9 @@ Columns:
 - GB/s: state bytes / durable time;
 - peak RSS above state: the process's peak resident memory minus what it held once the state existed
   (includes ucl's two staging slots, allocated once);
-- vs limit: GB/s against the same-run device limit (plain O_DIRECT, 8 MiB blocks, 4 in flight, fsync);
+- vs limit: GB/s against the same-run device limit (bench/probe.c: plain O_DIRECT from pre-touched memory,
+  8 MiB blocks, 4 in flight, fdatasync, timed open to close, one file of the state's bytes; in its own
+  process, not interleaved with ucl's saves: bench/peers.py runs it before each of them instead);
 - memcpy: one plain copy of the state into warm memory, the floor for a snapshot's blocking time.
 """
 
@@ -29,17 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as c  # noqa: E402
 
-
-def training_state(size: str) -> dict:
-    import torch
-
-    params = c.gpt_state(size, seed=0)
-    g = torch.Generator().manual_seed(1)
-    state = {f"model/{k}": v for k, v in params.items()}
-    for k, v in params.items():
-        state[f"optim/{k}/exp_avg"] = torch.randn(v.shape, generator=g) * 1e-3
-        state[f"optim/{k}/exp_avg_sq"] = torch.rand(v.shape, generator=g) * 1e-6
-    return state
+training_state = c.training_state  # its home is bench/_common.py (bench/blocked.py imports it from here)
 
 
 def _fsync_tree(path: str) -> None:
@@ -69,12 +61,9 @@ def child(case: str, size: str, root: str) -> dict:
         for k, v in state.items():
             dst[k].copy_(v)
         blocking = durable = time.perf_counter() - t0
-    elif case == "device limit":
-        from device_limit import device_limit
-
-        n = nbytes // 4096 * 4096
-        gbps = device_limit(out, n)
-        blocking = durable = n / gbps / 1e9
+    elif case == "device limit":  # bench/probe.c: the probe of bench/peers.py
+        r = c.probe_write(os.path.join(out, "probe"), [nbytes])
+        blocking = durable = r["seconds"]
     elif case.startswith("ucl"):
         from ucl.write.manager import CheckpointManager
 

@@ -97,12 +97,13 @@ static int pool_init(PoolObject *self, PyObject *args, PyObject *kw) {
     return 0;
 }
 
-/* submit(path: bytes, buffers: sequence) -> job id */
+/* submit(path: bytes, buffers: sequence, checksum: bool = True) -> job id */
 static PyObject *pool_submit(PoolObject *self, PyObject *args) {
     if (!started(self)) return NULL;
     const char *path;
     PyObject *buffers;
-    if (!PyArg_ParseTuple(args, "yO", &path, &buffers)) return NULL;
+    int checksum = 1;
+    if (!PyArg_ParseTuple(args, "yO|p", &path, &buffers, &checksum)) return NULL;
     PyObject *seq = PySequence_Fast(buffers, "buffers must be a sequence");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -115,6 +116,7 @@ static PyObject *pool_submit(PoolObject *self, PyObject *args) {
     }
     pj->views = views;
     pj->job = job;
+    ucl_job_set_checksum(job, checksum);
     ucl_span *spans = ucl_job_spans(job);
     for (; pj->nviews < n; pj->nviews++) {
         Py_buffer *v = &views[pj->nviews];

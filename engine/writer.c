@@ -12,6 +12,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -19,6 +20,7 @@
 #define ALIGN 4096u
 #define PIECE (256u << 10)    /* checksum a piece, then copy or write it while it is still in cache */
 #define WRITEBACK (32u << 20) /* buffered files: start writeback every 32 MiB */
+#define HUGE (2u << 20)       /* bounce buffers in (transparent) huge pages */
 
 enum { QUEUED, OPENING, WRITING, DONE };
 
@@ -28,6 +30,7 @@ struct ucl_job {
     ucl_span *spans;
     uint64_t *starts; /* file offset of each span */
     uint64_t size;
+    int checksum; /* compute the content's crc32c (1, the default) */
     /* under pool->mu */
     int state;
     size_t nseg, next_seg, segs_left, inflight;
@@ -214,15 +217,23 @@ static int do_segment(ucl_pool *p, ucl_job *j, size_t seg, char **bounce, uint32
     uint32_t crc = 0;
     const char *src = (const char *)j->spans[i].buf + in;
     if (direct && j->spans[i].len - in >= len && (uintptr_t)src % ALIGN == 0) { /* aligned: no copy */
-        crc = ucl_crc32c(0, src, len);
+        if (j->checksum) crc = ucl_crc32c(0, src, len);
         err = write_all(j, src, len, off, at);
     } else {
         if (direct && !*bounce) {
+            /* In huge pages where the kernel has them: an O_DIRECT request is built of the buffer's
+               physical runs (at most max_segments of them, 254 on virtio-blk), so 4 KiB pages cap a
+               request at ~1 MiB where huge pages give the whole 4 MiB the queue takes; measured with
+               bench/probe.c (-4: 4 KiB pages) on a throttled virtual disk, 1.5-2x the throughput. */
             void *b;
-            if (posix_memalign(&b, ALIGN, p->segment)) {
+            size_t n = (p->segment + HUGE - 1) / HUGE * HUGE;
+            if (posix_memalign(&b, HUGE, n)) {
                 *at = off;
                 return ENOMEM;
             }
+#ifdef MADV_HUGEPAGE
+            madvise(b, n, MADV_HUGEPAGE); /* advice: no huge pages, no harm */
+#endif
             *bounce = b;
         }
         for (size_t done = 0; done < len && !err;) {
@@ -233,9 +244,9 @@ static int do_segment(ucl_pool *p, ucl_job *j, size_t seg, char **bounce, uint32
                 continue;
             }
             if (n > len - done) n = len - done;
-            if (n > PIECE) n = PIECE;
+            if (n > PIECE && j->checksum) n = PIECE; /* without a checksum, a span's run in one copy */
             src = (const char *)j->spans[i].buf + in;
-            crc = ucl_crc32c(crc, src, n);
+            if (j->checksum) crc = ucl_crc32c(crc, src, n);
             if (direct) memcpy(*bounce + done, src, n);
             else err = write_all(j, src, n, off + done, at);
             done += n;
@@ -263,7 +274,7 @@ static void finish(ucl_pool *p, ucl_job *j) {
     }
     if (j->res.err) return;
     uint32_t crc = 0;
-    for (size_t s = 0; s < j->nseg; s++) {
+    for (size_t s = 0; j->checksum && s < j->nseg; s++) {
         uint64_t len = s + 1 < j->nseg ? p->segment : j->size - (uint64_t)s * p->segment;
         crc = s ? ucl_crc32c_combine(crc, j->seg_crc[s], len) : j->seg_crc[0];
     }
@@ -404,6 +415,7 @@ ucl_job *ucl_job_new(const char *path, size_t nspans) {
     j->spans = calloc(nspans ? nspans : 1, sizeof *j->spans);
     j->starts = calloc(nspans ? nspans : 1, sizeof *j->starts);
     j->nspans = nspans;
+    j->checksum = 1;
     j->fd = j->fd_buf = -1;
     if (!j->path || !j->spans || !j->starts) {
         ucl_job_free(j);
@@ -413,6 +425,7 @@ ucl_job *ucl_job_new(const char *path, size_t nspans) {
 }
 
 ucl_span *ucl_job_spans(ucl_job *j) { return j->spans; }
+void ucl_job_set_checksum(ucl_job *j, int checksum) { j->checksum = checksum != 0; }
 const char *ucl_job_path(const ucl_job *j) { return j->path; }
 
 void ucl_job_free(ucl_job *j) {

@@ -26,8 +26,11 @@ typedef struct ucl_job ucl_job;
    0 buffered with early writeback. segment: bytes per unit of work, a multiple of 4096.
    Returns NULL with errno set on failure. */
 ucl_pool *ucl_pool_start(int nthreads, int direct, size_t segment, int sync);
-/* A job writing the concatenation of nspans spans to path; fill job_spans(job) before submit. */
+/* A job writing the concatenation of nspans spans to path; fill job_spans(job) before submit. It computes
+   the content's crc32c on the way unless told not to before submit (a caller that checksums the bytes
+   itself: its result's crc is then 0). */
 ucl_job *ucl_job_new(const char *path, size_t nspans);
+void ucl_job_set_checksum(ucl_job *job, int checksum);
 ucl_span *ucl_job_spans(ucl_job *job);
 const char *ucl_job_path(const ucl_job *job);
 /* 0, or ESHUTDOWN once the pool is closing. The pool owns the job until it is done. */

@@ -78,6 +78,22 @@ def test_round_trip_50mib_of_odd_buffers(tmp_path: Path, direct: bool, segment: 
     _check(tmp_path / "a" / "b" / "f.bin", expected, result)
 
 
+@pytest.mark.parametrize("direct", DIRECT)
+@pytest.mark.parametrize("segment", [64 << 10, 8 * MiB])
+def test_without_checksum_the_same_bytes_and_crc_zero(tmp_path: Path, direct: bool, segment: int) -> None:
+    # the shard writer's case: many spans (chunks and their 4-byte crcs), unaligned after the first
+    sizes = [4 * MiB, 4, 3 * MiB + 1, 4, 0, 9 * MiB - 3, 4, 4093, 20]
+    raw = [_data(s, i) for i, s in enumerate(sizes)]
+    buffers = [np.frombuffer(raw[0], dtype=np.uint8), *raw[1:]]
+    expected = b"".join(raw)
+    with FileWriter(threads=3, direct=direct, segment_bytes=segment) as w:
+        plain = w.submit(str(tmp_path / "a.bin"), buffers, checksum=False)
+        summed = w.submit(str(tmp_path / "b.bin"), buffers)
+        assert w.wait(plain) == (len(expected), 0)
+        _check(tmp_path / "b.bin", expected, w.wait(summed))
+    assert (tmp_path / "a.bin").read_bytes() == expected
+
+
 def test_aligned_source_is_written_in_place(tmp_path: Path) -> None:
     raw = np.empty(3 * MiB + 8192, dtype=np.uint8)
     start = -raw.ctypes.data % 4096

@@ -113,7 +113,8 @@ class FileWriter:
     ) -> None:
         self.close()
 
-    def submit(self, path: str | os.PathLike[str], buffers: Sequence[Buffer]) -> int:
+    def submit(self, path: str | os.PathLike[str], buffers: Sequence[Buffer], *,
+               checksum: bool = True) -> int:
         """Queue the writing of ``path`` with the concatenation of ``buffers``; return at once.
 
         Parameters
@@ -123,6 +124,10 @@ class FileWriter:
         buffers : sequence of buffers
             C-contiguous objects with the buffer protocol (bytes, memoryview, numpy arrays, ...),
             used in place until ``wait`` returns for this job.
+        checksum : bool
+            Compute the content's crc32c on the way (default), returned by :meth:`wait`. False for a
+            caller that checksums the bytes itself (the shard encoder does, chunk by chunk): one pass
+            over the memory fewer, and :meth:`wait` returns 0 for it.
 
         Returns
         -------
@@ -151,7 +156,7 @@ class FileWriter:
                     ) from None
                 if not views[-1].c_contiguous:
                     raise InvalidArgumentError(f"buffers[{i}] of {os.fspath(path)!r} is not C-contiguous")
-            job: int = self._pool.submit(os.fsencode(os.path.abspath(path)), views)
+            job: int = self._pool.submit(os.fsencode(os.path.abspath(path)), views, bool(checksum))
             return job
         except BaseException:
             for v in views:  # the traceback keeps this frame: do not keep the callers' buffers exported
@@ -171,7 +176,8 @@ class FileWriter:
         Returns
         -------
         tuple of (int, int)
-            The file's size and the crc32c of its content.
+            The file's size and the crc32c of its content (0 for a job submitted with
+            ``checksum=False``).
 
         Raises
         ------

@@ -18,6 +18,8 @@ every step stay matched across ranks even when some rank failed to write.
 
 from __future__ import annotations
 
+import logging
+from time import perf_counter as clock
 from typing import Any
 
 from ucl.errors import WriteError
@@ -25,11 +27,12 @@ from ucl.format import structure
 from ucl.format.lock import WriterLock
 from ucl.format.metadata import CommitRecord, StepMeta
 from ucl.format.repository import Repository
+from ucl.write import events
 from ucl.write.collectives import Collectives, describe
 from ucl.write.job import Job
 from ucl.write.kinds import DeltaBase, delta_array
 from ucl.write.retention import Retention
-from ucl.write.step import FileEntry, StepWriter
+from ucl.write.step import DocumentCache, FileEntry, StepWriter
 
 
 def full_meta(job: Job) -> StepMeta:
@@ -58,6 +61,7 @@ class StepCommit:
                  retention: Retention, commit_threads: int) -> None:
         self.repo, self.dist, self.lock, self.retention = repo, dist, lock, retention
         self.commit_threads = commit_threads
+        self._documents = DocumentCache()  # arrays' documents serialized before (same plan, same objects)
 
     def run(self, job: Job, files: dict[str, FileEntry], err: BaseException | None,
             base: DeltaBase | None) -> CommitRecord | None:
@@ -67,14 +71,26 @@ class StepCommit:
         ``base`` the staged base its state was encoded against (None: stored whole). Returns the commit
         record on the coordinator, None elsewhere; raises this rank's error, the coordinator's, or a
         WriteError naming the first rank's failure.
+
+        Adds its phases to ``job.phases`` (``gather``, and on the coordinator ``commit``: documents not
+        written yet, directory syncs, the commit record; ``retention``; ``verdict``: the broadcast), then
+        logs them all at DEBUG with the step (``extra={"ucl_phases": ...}`` on the record).
         """
+        t = clock()
         reports = self.dist.gather(self.report(job, files, err))
+        job.phases["gather"] = clock() - t
         verdict: dict[str, Any] = {"ok": True}
         record = None
         if self.dist.rank == 0:
             verdict, record, failure = self.commit(job, reports, base)
             err = err or failure
+        t = clock()
         verdict = self.dist.broadcast(verdict)
+        job.phases["verdict"] = clock() - t
+        if events.log.isEnabledFor(logging.DEBUG):
+            events.log.debug("step %d phases (s): %s", job.step,
+                             ", ".join(f"{k} {v:.3f}" for k, v in job.phases.items()),
+                             extra={"ucl_phases": dict(job.phases), "ucl_step": job.step})
         if not verdict["ok"]:
             if err is not None:
                 raise err
@@ -96,11 +112,16 @@ class StepCommit:
             merged: dict[str, FileEntry] = {}
             for r in reports:
                 merged.update({k: tuple(v) for k, v in r["files"].items()})  # type: ignore[misc]
-            writer = StepWriter(self.repo, job.step, lock=self.lock, commit_threads=self.commit_threads)
+            t = clock()
+            writer = StepWriter(self.repo, job.step, lock=self.lock, commit_threads=self.commit_threads,
+                                documents=self._documents)
             record = writer.commit(self.step_meta(job, reports, base), merged, documents=job.documents)
             if self.lock is not None:
                 self.lock.renew()
+            t1 = clock()
+            job.phases["commit"] = t1 - t
             self.retention.retain(job.step)
+            job.phases["retention"] = clock() - t1
         except BaseException as e:  # noqa: BLE001 - every rank learns the verdict
             return {"ok": False, "error": describe(e)}, None, e
         return {"ok": True}, record, None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,3 +37,5 @@ class Job:
     changed: set[str] | None = None  # delta steps: arrays this rank wrote data for
     grad: GradientJob | None = None  # staged gradients: the step may be stored as gradient records
     documents: dict[str, tuple[int, int]] | None = None  # full steps: documents written beside the shards
+    # seconds spent in each phase of persisting it (ucl.write.shards, ucl.write.commit), logged at DEBUG
+    phases: dict[str, float] = field(default_factory=dict)

@@ -7,9 +7,12 @@ Every writer goes through :class:`StepWriter`: :func:`ucl.save` (ucl.write.save)
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from functools import cache
 
 import torch
 
@@ -23,6 +26,66 @@ from ucl.io.stores.base import Store
 from ucl.write import compaction, events
 
 FileEntry = tuple[int, int]  # (size, crc32c)
+
+
+@cache
+def _group_document() -> bytes:
+    return metadata.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}})
+
+
+#: How the skeleton of a step document (no arrays) ends: its consolidated metadata, empty.
+_EMPTY_TAIL = b'"metadata": {}\n }\n}'
+
+
+class DocumentCache:
+    """The serialized documents of the arrays a long-lived writer (a manager's) wrote before.
+
+    A manager writes the same arrays step after step (its plans are cached, and so are their ArrayMeta
+    objects, frozen), and their documents never change; serializing them (the documents are indented JSON,
+    which Python's json encodes in pure Python) was most of a large step's document time. Keyed by the
+    ArrayMeta object itself (held, so that its id is not reused); cleared when it grows past ``limit``.
+    """
+
+    def __init__(self, limit: int = 1 << 16) -> None:
+        self.limit = limit
+        self._arrays: dict[int, tuple[ArrayMeta, bytes]] = {}
+
+    def array(self, meta: ArrayMeta) -> bytes:
+        """``metadata.dumps(meta.to_dict())``, serialized once per ArrayMeta object."""
+        hit = self._arrays.get(id(meta))
+        if hit is not None and hit[0] is meta:
+            return hit[1]
+        data = metadata.dumps(meta.to_dict())
+        if len(self._arrays) >= self.limit:
+            self._arrays.clear()
+        self._arrays[id(meta)] = (meta, data)
+        return data
+
+
+def step_documents(meta: StepMeta, cache: DocumentCache | None = None) -> dict[str, bytes]:
+    """A step's documents (relative path -> bytes): one per group and array node, then the step's own
+    ``zarr.json`` with every node consolidated. The same bytes as ``metadata.dumps`` of
+    ``meta.to_dict()`` and of each of its nodes; the array nodes come serialized from ``cache`` and are
+    spliced into the step document (a node nested 3 levels deep is its standalone text indented 3 more
+    spaces: JSON strings hold no raw newline)."""
+    cache = cache or DocumentCache()
+    nodes: dict[str, bytes] = {}
+    group = _group_document()
+    for a in meta.arrays.values():  # the order of StepMeta.to_dict's nodes
+        parts = a.key.split("/")
+        for i in range(1, len(parts)):
+            nodes.setdefault("/".join(parts[:i]), group)
+        nodes[a.key] = cache.array(a)
+    top = metadata.dumps(replace(meta, arrays={}).to_dict())
+    if not top.endswith(_EMPTY_TAIL):  # not the shape spliced below: serialize it whole
+        top = metadata.dumps(meta.to_dict())
+    elif nodes:
+        body = b",".join(b"\n   " + json.dumps(k).encode() + b": " + v.replace(b"\n", b"\n   ")
+                         for k, v in nodes.items())
+        top = top[: -len(_EMPTY_TAIL)] + b'"metadata": {' + body + b"\n  }\n }\n}"
+    docs = {f"{rel}/zarr.json": data for rel, data in nodes.items()}
+    docs["zarr.json"] = top
+    return docs
 
 
 class StepWriter:
@@ -45,8 +108,9 @@ class StepWriter:
     """
 
     def __init__(self, repo: Repository, step: int, *, lock: WriterLock | None = None,
-                 commit_threads: int = 16) -> None:
+                 commit_threads: int = 16, documents: DocumentCache | None = None) -> None:
         self.repo = repo
+        self.documents = documents  # a long-lived writer's serialized array documents
         self.store: Store = repo.store
         self.step = check_step(step)
         self.commit_threads = commit_threads
@@ -98,14 +162,11 @@ class StepWriter:
         overlaps them with its shard writes and then makes everything durable with one ``sync_all``.
         Pass the result to :meth:`commit` as ``documents``."""
         return {rel: self.store.write(f"{self.prefix}/{rel}", [data], durable=False)
-                for rel, data in self._documents(meta).items()}
+                for rel, data in self.documents_of(meta).items()}
 
-    def _documents(self, meta: StepMeta) -> dict[str, bytes]:
-        doc = meta.to_dict()
-        nodes = doc["consolidated_metadata"]["metadata"]
-        docs = {f"{rel}/zarr.json": metadata.dumps(node) for rel, node in nodes.items()}
-        docs["zarr.json"] = metadata.dumps(doc)
-        return docs
+    def documents_of(self, meta: StepMeta) -> dict[str, bytes]:
+        """The step's documents (path relative to the step -> bytes), :func:`step_documents`."""
+        return step_documents(meta, self.documents)
 
     def commit(self, meta: StepMeta, files: Mapping[str, FileEntry],
                documents: Mapping[str, FileEntry] | None = None) -> CommitRecord:
@@ -132,7 +193,7 @@ class StepWriter:
             record = CommitRecord(step=self.step, kind=meta.kind, parent=meta.parent, files=entries)
             self.store.write_atomic(commit_key(self.step), record.to_bytes())
             return record
-        docs = self._documents(meta)
+        docs = self.documents_of(meta)
         # Hundreds of small documents and directories must be durable before the commit record. One
         # syncfs(2) does it in one journal commit (5x faster than an fsync each, measured); where it is
         # unavailable, fsyncs are issued concurrently so that the journal still batches them.
