@@ -56,3 +56,35 @@ def test_read_bench_prints_every_row(tmp_path: Path) -> None:
     assert rows[bench.SLICE_CASES[0]][2] != "-"
     assert "**Targets**" in out
     assert (tmp_path / "ucl").is_dir() and (tmp_path / "state.safetensors").is_file()
+
+
+PEERS = ROOT / "bench" / "peers.py"
+
+
+@pytest.mark.slow  # ~80 s: ./dev test-long
+def test_peers_bench_prints_the_table_with_probes_and_phases(tmp_path: Path) -> None:
+    # bench/peers.py (issue 14's whole table): ucl and safetensors at the tiny size, every section, one round
+    pytest.importorskip("safetensors")
+    proc = subprocess.run(
+        [sys.executable, str(PEERS), "--size", "tiny", "--reps", "1", "--steady", "1",
+         "--only", "ucl,safetensors,probe", "--dir", str(tmp_path / "peers")],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    rows = {}
+    for line in out.splitlines():
+        if line.startswith("| "):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if cells[0] not in ("metric", "save"):  # the headers of the table and of the phases
+                rows.setdefault(cells[0], cells[1:])
+    for metric in ("save durable, first of a process", "save durable, steady", "save blocked, first of a process",
+                   "full load, cold: ucl.open(p).load(flat=True)", "full load, cold: load_into (preallocated)",
+                   "open + 1/8 of the embedding's rows, cold", "open + 1/8 of the embedding's rows, warm"):
+        assert metric in rows, f"no row {metric!r} in:\n{out}"
+        ucl_cell, vs_peer = rows[metric][6], rows[metric][7]
+        assert ucl_cell != "-" and float(ucl_cell.split()[0]) > 0, (metric, rows[metric])
+        assert vs_peer.endswith("x") and float(vs_peer[:-1]) > 0, (metric, rows[metric])
+    # the same-run write probe, and ucl's phases
+    assert rows["save durable, steady"][5] != "-"
+    assert "where the time goes" in out and "| steady" in out

@@ -13,6 +13,7 @@ the package: docs/architecture.md).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -31,46 +32,33 @@ if TYPE_CHECKING:
     from ucl.write.policy import AdaptiveInterval, DeltaPolicy
     from ucl.write.save import save, save_sharded
 
-# The engine (torch, zarr, the C extensions) loads on the first use of a name below, not at `import ucl`:
-# `ucl --version` and `import ucl.errors` stay instant (docs/architecture.md: nothing happens at import).
-_state = "lazy"  # -> "loading" -> "loaded"
-
-
-def _load() -> None:
-    global _state
-    _state = "loading"
-    try:
-        from ucl.format.repository import Repository
-        from ucl.io.stores import Store
-        from ucl.read.checkpoint import Checkpoint, open
-        from ucl.read.load import load, load_into
-        from ucl.read.tensors import LazyTensor, LogicalTensor
-        from ucl.tools.validate import Report, validate_repo
-        from ucl.write.manager import CheckpointManager, SaveHandle
-        from ucl.write.policy import AdaptiveInterval, DeltaPolicy
-        from ucl.write.save import save, save_sharded
-
-        globals().update(
-            Repository=Repository, Store=Store, Checkpoint=Checkpoint, open=open, load=load, load_into=load_into,
-            LazyTensor=LazyTensor, LogicalTensor=LogicalTensor, Report=Report, validate_repo=validate_repo,
-            CheckpointManager=CheckpointManager, SaveHandle=SaveHandle, AdaptiveInterval=AdaptiveInterval,
-            DeltaPolicy=DeltaPolicy, save=save, save_sharded=save_sharded)
-    except BaseException:
-        _state = "lazy"
-        raise
-    _state = "loaded"
+# The engine (torch, the C extensions) loads on the first use of a name below, not at `import ucl`, and only
+# the module that defines that name: `ucl --version` and `import ucl.errors` stay instant, and `ucl.open`
+# does not import the writer (docs/architecture.md: nothing happens at import).
+_HOME = {
+    "Repository": "ucl.format.repository", "Store": "ucl.io.stores",
+    "Checkpoint": "ucl.read.checkpoint", "open": "ucl.read.checkpoint",
+    "load": "ucl.read.load", "load_into": "ucl.read.load",
+    "LazyTensor": "ucl.read.tensors", "LogicalTensor": "ucl.read.tensors",
+    "Report": "ucl.tools.validate", "validate_repo": "ucl.tools.validate",
+    "CheckpointManager": "ucl.write.manager", "SaveHandle": "ucl.write.manager",
+    "AdaptiveInterval": "ucl.write.policy", "DeltaPolicy": "ucl.write.policy",
+    "save": "ucl.write.save", "save_sharded": "ucl.write.save",
+}
+_SUBPACKAGES = frozenset({"adapters", "delta", "format", "io", "layout", "plan", "read", "testing", "tools", "write"})
 
 
 def __getattr__(name: str) -> Any:
-    """The public names (and, after them, the subpackages) load on first use."""
-    if name.startswith("_") or _state == "loading":  # `from ucl import _engine`: the submodule
+    """A public name loads its module on first use; a subpackage (``ucl.format``) is imported."""
+    home = _HOME.get(name)
+    if home is not None:
+        value = getattr(importlib.import_module(home), name)
+    elif name in _SUBPACKAGES:
+        value = importlib.import_module(f"ucl.{name}")
+    else:
         raise AttributeError(f"module 'ucl' has no attribute {name!r}")
-    if _state == "lazy":
-        _load()
-    try:
-        return globals()[name]
-    except KeyError:
-        raise AttributeError(f"module 'ucl' has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
 
 
 def __dir__() -> list[str]:
@@ -104,9 +92,7 @@ def zarr_store(path: str | os.PathLike[str] | Store, step: int | None = None, *,
                storage_options: dict[str, Any] | None = None) -> Any:
     """A read-only Zarr v3 store over a committed step, deltas resolved and logical tensors rebuilt
     (:class:`ucl.adapters.zarr_store.ZarrStore`; needs zarr-python, imported on first use)."""
-    from ucl.adapters.zarr_store import ZarrStore
+    from ucl.adapters.zarr_store import ZarrStore  # (registers the ucl dtypes with zarr)
 
-    if _state == "lazy":
-        _load()  # zarr learns the ucl dtypes
     return ZarrStore(path, step, storage_options=storage_options)
 

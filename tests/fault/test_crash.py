@@ -1,7 +1,7 @@
 """Crash consistency: SIGKILL a real writer at random moments, then check from a fresh process.
 
 After every kill: the latest committed step loads bit-exactly and validates, no uncommitted step is
-visible, and the next save succeeds. 20+ kills in CI; `./dev test-long` runs 200.
+visible, and the next save succeeds. 20 kills in CI; `./dev test-long` runs 200.
 """
 
 from __future__ import annotations
@@ -84,10 +84,11 @@ def kill_cycles(tmp_path: Path, kills: int, mode: str, seed: int) -> dict[str, i
     return stats
 
 
-@pytest.mark.parametrize("mode", ["engine", "reference", "gradients"])
-def test_random_kills_lose_nothing(tmp_path, mode) -> None:
-    stats = kill_cycles(tmp_path, kills=12, mode=mode, seed=1234)
-    assert stats["kills"] == 12 and stats["committed_seen"] >= 6
+# 20 kills in CI (each cycle is two fresh processes: ~8 s here); `./dev test-long` runs 200
+@pytest.mark.parametrize(("mode", "kills"), [("engine", 8), ("reference", 6), ("gradients", 6)])
+def test_random_kills_lose_nothing(tmp_path, mode, kills) -> None:
+    stats = kill_cycles(tmp_path, kills=kills, mode=mode, seed=1234)
+    assert stats["kills"] == kills and stats["committed_seen"] >= kills // 2
 
 
 @pytest.mark.slow

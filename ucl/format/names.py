@@ -17,6 +17,7 @@ MAX_DEPTH = 32
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 _CONTROL = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
 _ESCAPED_SEGMENT = re.compile(r"^(?:[A-Za-z0-9._-]|%[0-9A-F]{2})+$")
+_PLAIN_SEGMENT = re.compile(r"[A-Za-z0-9._-]+")  # escapes to itself (unless ".", ".." or "__...")
 
 
 def check_name(name: object) -> str:
@@ -42,6 +43,8 @@ def check_name(name: object) -> str:
 
 
 def _escape_segment(seg: str) -> str:
+    if _PLAIN_SEGMENT.fullmatch(seg) and seg not in (".", "..") and not seg.startswith("__"):
+        return seg  # most names (every step's document holds one per tensor): nothing to escape
     out = []
     for b in seg.encode("utf-8"):
         out.append(chr(b) if b in _SAFE else f"%{b:02X}")
@@ -63,6 +66,9 @@ def from_key(key: str) -> str:
     if not isinstance(key, str) or not key:
         raise InvalidNameError(f"array path {key!r} is empty or not a string")
     segments = key.split("/")
+    if all(_PLAIN_SEGMENT.fullmatch(seg) and seg not in (".", "..") and not seg.startswith("__")
+           for seg in segments):
+        return check_name(key)  # every segment escapes to itself: the name is the key
     names = []
     for seg in segments:
         if not _ESCAPED_SEGMENT.match(seg) or seg in (".", "..") or seg.startswith("__"):

@@ -311,8 +311,8 @@ class CheckpointManager:
         page is touched (else at once).
 
         Every slot (2; 3 with deltas) gets this size. A save that comes before the pages are all
-        touched takes its slot as it is: its copy touches the rest from the bottom while the background
-        thread goes on from the top, nothing touched twice. A later save of a larger state grows the
+        touched takes its slot as it is: its copy touches the rest itself (the background threads pause
+        meanwhile and go on after it), nothing touched twice. A later save of a larger state grows the
         slots (that save allocates its own; the others are replaced in the background); a smaller one
         uses them. Every rank calls it (a layout plans the state together, as ``save`` does).
         """

@@ -8,10 +8,11 @@ Fresh pages cost several times the copy into them (here, a virtual machine whose
 the host: ~0.3 s per GB to fault in, against ~0.1 s per GB for the copy), so a save must not be the one
 that touches them. :meth:`Staging.prepare` makes the slots of a known size at once and touches their
 pages on a background thread (``ucl-staging``), while training runs. The preparer works on a slot from
-its top down; a save that comes first copies from the bottom up and faults what it reaches itself, so
-the two meet in the middle: nothing is touched twice and the save waits only for what remains, shared
-with the preparer. Pinned memory (``cudaHostAlloc``) is populated when it is allocated: there the
-allocation itself is what the preparer does, and a save needing that slot waits for it to finish.
+its top down; a save that comes first copies from the bottom up and faults what it reaches itself while
+the preparers pause (three threads faulting pages on two cores were slower than the copy alone), then
+they go on from the top: nothing is touched twice. Pinned memory (``cudaHostAlloc``) is populated when
+it is allocated: there the allocation itself is what the preparer does, and a save needing that slot
+waits for it to finish.
 """
 
 from __future__ import annotations
@@ -224,6 +225,7 @@ class Staging:
         self._threads: list[threading.Thread] = []
         self._halt = threading.Event()
         self.error: BaseException | None = None  # the preparer's failure (it then stops preparing)
+        self._copying = 0  # saves copying now: the preparers pause (on 2 cores they slowed the copy)
 
     def slot_bytes(self, need: int) -> int:
         """The size of a slot for ``need`` staged bytes (with a budget every slot is half of it)."""
@@ -311,7 +313,9 @@ class Staging:
             t.start()
 
     def _next_work(self) -> StagingSlot | None:  # under self._free
-        # a busy one first (a save is copying into it: the preparers race the copy), then the free ones
+        if self._copying:
+            return None  # resumed when the copy is done (stage)
+        # a busy one first (a save copied into it: what its copy did not reach), then the free ones
         todo = [s for s in self.slots if s.pending]
         return min(todo, key=lambda s: not s.busy) if todo else None
 
@@ -322,7 +326,7 @@ class Staging:
                     slot = self._next_work()
                     if slot is None:
                         return
-                while not self._halt.is_set() and slot.touch_step(self.CHUNK):
+                while not self._halt.is_set() and not self._copying and slot.touch_step(self.CHUNK):
                     pass
         except BaseException as e:  # noqa: BLE001 - e.g. no pinned memory: the saves allocate and touch
             self.error = e  # what is left themselves (and report a failure there, on the caller's thread)
@@ -358,7 +362,6 @@ class Staging:
                     self._retire(s)
                 while len(self.slots) < self.max_slots:
                     self._new_slot(need)
-            self._start()  # also races this save's copy on a slot not fully touched yet
             return slot
 
     def release(self, slot: StagingSlot) -> None:
@@ -383,10 +386,20 @@ class Staging:
         pages are not all touched yet, the copy faults them from the bottom while the preparer touches them
         from the top.
         """
+        with self._free:
+            self._copying += 1  # the preparers pause (after their current chunk) until the copy is done
+        try:
+            return self._stage(slot, tensors)
+        finally:
+            with self._free:
+                self._copying = max(0, self._copying - 1)
+                self._start()  # the other slots (and what is left of this one) in the background
+
+    def _stage(self, slot: StagingSlot, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         staged: dict[str, torch.Tensor] = {}
         offset = 0
         slot.materialize()  # pinned: allocated now, or the preparer's allocation awaited
-        racing = not slot.prepared
+        racing = not slot.prepared  # a preparer's chunk in flight below the copy is waited for
         cuda = any(t.is_cuda for t in tensors.values())
         if cuda and self._cuda_stream is None:
             self._cuda_stream = torch.cuda.Stream()
