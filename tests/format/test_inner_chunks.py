@@ -161,3 +161,22 @@ def test_limits_hold_for_huge_prime_blocks() -> None:
     chunk, inner = choose_chunks((8 * p,), (p,), 1)  # one split dimension, a prime: no divisor but 1, p
     assert chunk == (p,)
     assert math.prod(inner) <= 1 << 31 and p // math.prod(inner) <= 1 << 24
+
+
+def test_a_block_split_for_resharding_keeps_its_pieces() -> None:
+    # A layout array split along its dimensions for readers of other configurations (spec/layout.md §9.2)
+    # keeps the pieces' inner chunks: merged into 1-8 MiB chunks, a rows tp=4 reader of a columns tp=2
+    # step read 13.8x its shard's bytes (bench/reshard.py --size small, before this rule).
+    from ucl.plan.items import ArraySpec
+    from ucl.plan.save import chunks_for
+
+    spec = ArraySpec(name="wte", shape=(50257, 512), dtype="float32", chunk_shape=(50257, 256))
+    chunk, inner = chunks_for(spec, split=(1,))
+    assert chunk == (50257, 256)  # a split block's grid chunk is the block
+    assert inner[1] < 256  # columns split too, as the other configurations read them
+    assert inner[0] <= -(-50257 // 8) and all(b % i == 0 for b, i in zip(chunk, inner, strict=True))
+    assert math.prod(inner) * 4 <= 4 << 20
+    # an unsplit block of the same shape gets 1-8 MiB inner chunks, its grid rounded past the array's end
+    whole = ArraySpec(name="wte", shape=(32001, 4096), dtype="float32", chunk_shape=(32001, 4096))
+    chunk, inner = chunks_for(whole)
+    assert 1 << 20 <= math.prod(inner) * 4 <= 8 << 20 and chunk[0] % inner[0] == 0 and chunk[0] >= 32001

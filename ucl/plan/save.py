@@ -23,7 +23,7 @@ import torch
 from ucl.errors import InvalidArgumentError
 from ucl.format import dtypes, names
 from ucl.format.metadata import ArrayMeta
-from ucl.format.shardfile import INNER_CHUNK_BYTES, choose_chunks
+from ucl.format.shardfile import INNER_CHUNK_BYTES, choose_chunks, choose_inner_chunk
 from ucl.layout import Layout, Mesh
 from ucl.layout.resolve import Resolver
 from ucl.layout.transforms import make_tile
@@ -132,9 +132,10 @@ def chunks_for(spec: Any, split: Sequence[int] = (),
     """(grid chunk shape, inner chunk shape) of a layout array: :func:`ucl.format.shardfile.choose_chunks`
     of its chunk (the rank's block), after splitting its first dimension and the dimensions ``split``:
     each halved in turn (the last dimension first), while it stays within SPLIT pieces, the inner chunk
-    at least MIN_INNER_BYTES and rows along it at least MIN_RUN_BYTES. The grid chunk is the spec's,
-    except along a dimension that one block holds whole and that was not split: there it may be rounded
-    up to a multiple of the inner chunk (spec/core.md §6)."""
+    at least MIN_INNER_BYTES and rows along it at least MIN_RUN_BYTES. A block split so keeps its pieces'
+    leading-divisor inner chunks (the granularity of a reshard, spec/layout.md §9.2); an unsplit one gets
+    choose_chunks' 1-8 MiB chunks, its grid chunk rounded up along a dimension it holds whole
+    (spec/core.md §6)."""
     block = tuple(max(1, c) for c in spec.chunk_shape)
     itemsize = dtypes.itemsize(spec.dtype)
     pre = list(block)
@@ -154,6 +155,11 @@ def chunks_for(spec: Any, split: Sequence[int] = (),
             if d > lead and math.prod(cand[d:]) * itemsize < MIN_RUN_BYTES:
                 continue
             pre, parts[d], grown = cand, k, True
+    if pre != list(block):
+        # split for resharding: the pieces are the granularity other configurations read at (spec/layout.md
+        # §9.2); choose_chunks would merge small pieces into 1-8 MiB chunks and a reader of another split
+        # would read far past its box (measured: 13.8x its shard's bytes for columns tp=2 -> rows tp=4)
+        return block, choose_inner_chunk(tuple(pre), itemsize, inner_bytes)
     shape = tuple(spec.shape)
     free = [d for d in range(len(block)) if pre[d] == block[d] >= shape[d] and d >= lead]
     chunk, inner = choose_chunks(shape, tuple(pre), itemsize, inner_bytes, free=free)
