@@ -26,7 +26,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -37,28 +37,11 @@ TARGET = 4 << 20
 
 
 def old_choose(block: tuple[int, ...], itemsize: int, target: int = TARGET) -> tuple[int, ...]:
-    """ucl <= 1.1's choose_inner_chunk, verbatim: the largest inner chunk <= ``target`` bytes that divides
-    ``block``, splitting leading dimensions first."""
-    inner = list(block)
-    for d in range(len(inner)):
-        rest = math.prod(inner[d + 1 :]) * itemsize
-        if math.prod(inner) * itemsize <= target:
-            break
-        best = 1
-        for k in _divisors(block[d]):
-            if k * rest <= target:
-                best = max(best, k)
-        inner[d] = best
-    return tuple(max(1, x) for x in inner)
+    """ucl <= 1.1's rule, which ucl still has as ``choose_inner_chunk`` (the zarr_store adapter's views):
+    the largest inner chunk <= ``target`` bytes that divides ``block``, splitting leading dimensions first."""
+    from ucl.format.shardfile import choose_inner_chunk
 
-
-def _divisors(n: int) -> Iterator[int]:
-    i = 1
-    while i * i <= n:
-        if n % i == 0:
-            yield i
-            yield n // i
-        i += 1
+    return choose_inner_chunk(block, itemsize, target)
 
 
 def write(path: str, name: str, t: Any, layout: str, writers: int) -> Any:

@@ -58,17 +58,8 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 STATES = [*c.SIZES, "llama"]  # tiny: a smoke test
 SAVE_CASES = ["ucl", "torch.save", "safetensors", "dcp.save", "dcp.async_save"]
 SAVE_PEERS = SAVE_CASES[1:]
-LOAD_CASES = [
-    "ucl load(flat=True)",
-    "ucl load_into (preallocated)",
-    "torch.load (weights_only, mmap=False)",
-    "safetensors load_file (mmap)",
-    "safetensors load_file (pread)",
-    "DCP load (preallocated, 1 process)",
-    "tensorstore zarr3 (ucl files, concurrent)",
-    "device: O_DIRECT 8 MiB, 4 in flight, warm buffer",
-    "probe read",
-]
+# bench/read.py's full-load cases (less its buffered reader) and the C read probe
+LOAD_CASES = [k for k in R.FULL_CASES if not k.startswith("device: buffered")] + ["probe read"]
 SLICE_CASES = ["ucl", "torch.load(mmap)", "safetensors", "tensorstore", "DCP (whole item)"]
 STEP = R.STEP  # read.py's cases read ucl's step 1
 
