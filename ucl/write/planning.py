@@ -83,7 +83,7 @@ class Planner:
             hit = all(h for h, _ in votes)
         layout, mesh, rank_in_mesh = self._source()
         if not hit:
-            self.plans = {key: self.plan_layout(tensors, layout, mesh, rank_in_mesh)}
+            self.plans = {key: self.plan_layout(saveplan.local_shapes(tensors), layout, mesh, rank_in_mesh)}
         return self.plans[key]
 
     def _source(self) -> tuple[Any, Any, int]:
@@ -92,12 +92,12 @@ class Planner:
             return self._dtensor_layouts[self._dtensor_key]
         return self.layout, self.mesh, self.rank
 
-    def plan_layout(self, tensors: dict[str, torch.Tensor], layout: Any, mesh: Any,
+    def plan_layout(self, local: dict[str, tuple[tuple[int, ...], str]], layout: Any, mesh: Any,
                     rank_in_mesh: int) -> saveplan.SavePlan:
         """Plan a layout save on every rank: allgather the local shapes, plan each rank (errors caught),
         gather the plans to the coordinator, which merges and checks them (every chunk written exactly
-        once, every statement matched); every rank then learns the verdict. Nothing is written before."""
-        local = saveplan.local_shapes(tensors)
+        once, every statement matched); every rank then learns the verdict. Nothing is written before. ``local``: the rank's
+        :func:`ucl.plan.save.local_shapes` (bench/scale.py passes simulated ranks' shapes)."""
         all_local = self._ctl.allgather(local)
         rank_plan = None
         payload: dict[str, Any]

@@ -1,0 +1,213 @@
+"""Coordination at many ranks, simulated on one machine: what a layout save's coordinator pays, what it
+gathers, and the metadata each step writes, for ucl and for torch.distributed.checkpoint (DCP), side by side.
+
+    python bench/scale.py [--worlds 8 64 256] [--layers 80] [--reps 3]
+
+The job: a LLaMA-70B-like Megatron model (80 layers, hidden 8192, 64 heads / 8 KV groups, ffn 28672,
+vocab 128256), bf16 parameters over tp=8, the distributed optimizer (exp_avg, exp_avg_sq flat over dp):
+``ucl.layout.builtins.megatron_gpt(..., zero=mesh)``; world = 8 x dp, pp = 1. Shapes only, no data.
+
+ucl: every simulated rank's local state is ``ucl.layout.resolve.expected_local`` of the layout. The
+coordinator runs the manager's own planning code (``ucl.write.planning.Planner.plan_layout``) over a
+simulated group whose allgather/gather hand it every rank's real payload (pickled as gloo's object
+collectives pickle it; unpickling is timed as the coordinator's). The other ranks' payloads are their
+``plan_save`` results with the shapes the coordinator inferred (the same inference every rank runs on the
+same allgathered shapes). Metadata: the step's documents (``ucl.write.step.step_documents``) and the
+commit record (``CommitRecord`` of every rank's shard files) as a save writes them.
+
+DCP: each rank's local plan is what ``DefaultSavePlanner.create_local_plan`` makes of the same local
+tensors held as evenly sharded DTensors (one WriteItem per local tensor: fqn, global offset, sizes,
+global shape, dtype), built directly (a DTensor of a 16,384-rank mesh cannot be made on one machine); the
+coordinator runs DCP's own ``DefaultSavePlanner.create_global_plan`` over the unpickled plans (dedup of
+replicas, the global Metadata). Metadata: the pickled ``Metadata`` (what DCP's ``.metadata`` file holds).
+
+"coordinator s": the coordinator's part of a first save of a process (its own plan included); medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import statistics
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common as C  # noqa: E402
+
+TP = 8
+MODEL = dict(num_heads=64, hidden=8192, ffn_hidden=28672, vocab_size=128256, num_kv_heads=8)
+
+
+def job(layers: int, world: int) -> tuple[Any, Any, dict[str, tuple[tuple[int, ...], str]]]:
+    from ucl.layout import builtins
+    from ucl.layout.mesh import Mesh
+
+    mesh = Mesh((("pp", 1), ("dp", world // TP), ("tp", TP)))
+    layout = builtins.megatron_gpt(num_layers=layers, **MODEL, qkv="interleaved", zero=mesh)
+    logical: dict[str, tuple[tuple[int, ...], str]] = {}
+    for n, s in builtins.megatron_gpt_params(num_layers=layers, **MODEL):
+        logical[n] = (tuple(s), "bfloat16")
+        for st in ("exp_avg", "exp_avg_sq"):
+            logical[f"optim/state/{n}/{st}"] = (tuple(s), "float32")
+    return layout, mesh, logical
+
+
+def local_states(layout: Any, mesh: Any, logical: Any) -> list[Any]:
+    """Every rank's local tensors (``expected_local``), computed once per distinct tp coordinate: ranks
+    that differ only in dp hold the same names and shapes (their flat partitions are equal in size)."""
+    from ucl.layout.resolve import expected_local
+
+    by_tp: dict[int, Any] = {}
+    out = []
+    for r in range(mesh.size):
+        tp = mesh.coords(r)["tp"]
+        if tp not in by_tp:
+            by_tp[tp] = expected_local(layout, mesh, r, logical)
+        out.append(by_tp[tp])
+    return out
+
+
+class SimulatedGroup:
+    """The coordinator's view of a gloo group: each collective hands it the other ranks' pickled payloads
+    (unpickled here, as ``gather_object`` does on the coordinator) and counts the bytes it received."""
+
+    def __init__(self, world: int, payloads: dict[str, list[bytes]]) -> None:
+        self.group, self.rank, self.world = object(), 0, world
+        self.payloads = payloads
+        self.received = 0
+
+    def _receive(self, kind: str, obj: Any) -> list[Any]:
+        blobs = self.payloads[kind]
+        self.received += sum(len(b) for b in blobs[1:])
+        return [obj] + [pickle.loads(b) for b in blobs[1:]]
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return self._receive("allgather", obj)
+
+    def gather(self, obj: Any) -> list[Any]:
+        return self._receive("gather", obj)
+
+    def broadcast(self, obj: Any) -> Any:
+        self.received += 0
+        return obj
+
+
+def ucl_case(layers: int, world: int, reps: int) -> dict[str, Any]:
+    from ucl.format.metadata import CommitRecord, StepMeta
+    from ucl.plan import save as saveplan
+    from ucl.plan.layout_save import infer_shapes, plan_save
+    from ucl.write.planning import Planner
+    from ucl.write.step import step_documents
+
+    layout, mesh, logical = job(layers, world)
+    locals_ = local_states(layout, mesh, logical)
+    shapes_of = [{n: (lt.shape, lt.dtype) for n, lt in loc.items()} for loc in locals_]
+    inferred = infer_shapes(layout, mesh, shapes_of)
+    allgather = [pickle.dumps(s) for s in shapes_of]
+    gathered, plans = [], []
+    for r in range(world):
+        p = plan_save(layout, mesh, r, shapes_of[r], shapes=inferred)
+        plans.append(p)
+        gathered.append(pickle.dumps({"plan": p.to_dict()}))
+    times, received = [], 0
+    plan = None
+    for _ in range(reps):
+        group = SimulatedGroup(world, {"allgather": allgather, "gather": gathered})
+        planner = Planner(group, 0, world, None, layout, mesh, False, saveplan.INNER_CHUNK_BYTES)  # type: ignore[arg-type]
+        t = time.perf_counter()
+        plan = planner.plan_layout(shapes_of[0], layout, mesh, 0)  # type: ignore[arg-type]
+        times.append(time.perf_counter() - t)
+        received = group.received
+    assert plan is not None
+    meta = StepMeta(step=1, kind="full", parent=None, tree={}, arrays=plan.arrays, layout=plan.layout,
+                    mesh=plan.mesh)
+    docs = step_documents(meta)
+    # every rank's shard files as its report names them (the sizes do not change the record's size much)
+    files: dict[str, tuple[int, int]] = {}
+    for r, p in enumerate(plans):
+        rank_plan = saveplan.from_layout(p, None)
+        for w in rank_plan.writes:
+            files[w.array.shard_key(w.coords)] = (w.array.nbytes, 0xDEADBEEF)
+    files.update({k: (len(v), 0xDEADBEEF) for k, v in docs.items()})
+    record = CommitRecord(step=1, kind="full", parent=None, files=files)
+    return {"s": statistics.median(times), "gathered": received, "step_doc": len(docs["zarr.json"]),
+            "array_docs": sum(len(v) for k, v in docs.items() if k != "zarr.json"),
+            "record": len(record.to_bytes()), "arrays": len(plan.arrays), "files": len(files)}
+
+
+def dcp_case(layers: int, world: int, reps: int) -> dict[str, Any]:
+    import torch
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    from ucl.format import dtypes
+
+    layout, mesh, logical = job(layers, world)
+    locals_ = local_states(layout, mesh, logical)
+
+    def local_plan(r: int) -> SavePlan:
+        coords = mesh.coords(r)
+        items = []
+        for name, lt in locals_[r].items():
+            shape = list(lt.shape)
+            if lt.flat is not None:  # the flat partition: 1-D, dp-th of the buffer
+                fqn, size = f"{lt.flat.array}", [lt.flat.partition * lt.flat.parts]
+                offsets = [coords["dp"] * lt.flat.partition]  # local_states shares dp ranks: not lt.flat.index
+            else:  # an even shard along the split dim (tp) of the tensor as held (vocabulary padded)
+                fqn, full = lt.logical or name, logical[lt.logical or name][0]
+                size = [s * TP if s != g else g for s, g in zip(shape, full, strict=True)]
+                offsets = [coords["tp"] * s if s != g else 0 for s, g in zip(shape, full, strict=True)]
+            items.append(WriteItem(
+                index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(shape)),
+                    properties=TensorProperties(dtype=dtypes.to_torch(lt.dtype)), size=torch.Size(size))))
+        return SavePlan(items, planner_data={})  # the flattening mapping: the state is flat
+
+    blobs = [pickle.dumps(local_plan(r)) for r in range(world)]
+    times = []
+    metadata = None
+    for _ in range(reps):
+        t = time.perf_counter()
+        plans = [local_plan(0)] + [pickle.loads(b) for b in blobs[1:]]
+        planner = DefaultSavePlanner()
+        global_plans, metadata = planner.create_global_plan(plans)
+        pickle.dumps(global_plans)  # scattered back to the ranks
+        times.append(time.perf_counter() - t)
+    return {"s": statistics.median(times), "gathered": sum(len(b) for b in blobs[1:]),
+            "metadata": len(pickle.dumps(metadata))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worlds", type=int, nargs="+", default=[8, 64, 256])
+    ap.add_argument("--layers", type=int, default=80)
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args()
+    print(C.machine_line())
+    print(f"LLaMA-70B-like Megatron job, {a.layers} layers, tp={TP}, distributed optimizer; "
+          f"median of {a.reps}")
+    rows = []
+    for world in a.worlds:
+        u = ucl_case(a.layers, world, a.reps)
+        d = dcp_case(a.layers, world, a.reps)
+        rows.append([world, f"{u['s']:.2f}", C.fmt_bytes(u["gathered"]),
+                     f"{C.fmt_bytes(u['step_doc'])} + {C.fmt_bytes(u['array_docs'])}", C.fmt_bytes(u["record"]),
+                     f"{d['s']:.2f}", C.fmt_bytes(d["gathered"]), C.fmt_bytes(d["metadata"]),
+                     f"{u['s'] / d['s']:.2f}x", f"{u['gathered'] / max(1, d['gathered']):.2f}x",
+                     f"{(u['step_doc'] + u['array_docs'] + u['record']) / d['metadata']:.1f}x"])
+        print(f"  world {world}: done", flush=True)
+    print(C.markdown_table(
+        ["world", "ucl coordinator s", "ucl gathered", "ucl step doc + array docs", "ucl commit record",
+         "DCP coordinator s", "DCP gathered", "DCP metadata", "time ucl/DCP", "gathered ucl/DCP",
+         "metadata ucl/DCP"], rows))
+    print("targets: coordinator time and gathered bytes <= 0.5x DCP's; metadata per step <= DCP's")
+
+
+if __name__ == "__main__":
+    main()
