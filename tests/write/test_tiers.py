@@ -40,7 +40,9 @@ def test_drain_every_retention_and_restore(tmp_path: Path) -> None:
         for s in range(7):
             mgr.save(s, _state(s)).result()
         mgr.wait()
-        assert mgr.repo.steps() == [5, 6]
+        # step 4 may still have been draining when step 6's commit ran the memory tier's retention: it is
+        # then kept (never the only copy of a step due to drain) until the next commit's retention
+        assert mgr.repo.steps() in ([5, 6], [4, 5, 6])
         assert mgr.durable is not None and mgr.durable.steps() == [4, 6]
         assert mgr.steps() == [4, 5, 6] and mgr.latest_step() == 6
         assert _equal(mgr.restore(), _state(6))
