@@ -133,3 +133,20 @@ def test_process_killed_restores_from_memory_then_disk(tmp_path: Path) -> None:
         assert _equal(mgr.restore(), _state(7))
         assert mgr.last_restore is not None and mgr.last_restore.tier == "durable"
     assert ucl.validate(disk).ok
+
+
+def test_two_ranks_agree_on_the_copy_they_restore(tmp_path: Path) -> None:
+    from ucl.testing import dist
+
+    disk, mem = str(tmp_path / "disk"), str(tmp_path / "mem")
+    dist.run(2, "tests.write.tier_cases:save_tiered", {"disk": disk, "mem": mem, "steps": 5})
+    assert ucl.validate(disk).ok and ucl.validate(mem).ok
+    out = dist.run(2, "tests.write.tier_cases:restore_tiered", {"disk": disk, "mem": mem})
+    assert out == [{"step": 4, "tier": "memory", "exact": True, "reasons": 0}] * 2
+    # one rank's shard of the newest memory copy damaged: both ranks pass over it, to the same disk copy
+    shard = next(p for p in sorted((tmp_path / "mem" / "steps" / "4").rglob("*")) if p.is_file() and "/c/" in str(p))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 1
+    shard.write_bytes(bytes(data))
+    out = dist.run(2, "tests.write.tier_cases:restore_tiered", {"disk": disk, "mem": mem})
+    assert out == [{"step": 4, "tier": "durable", "exact": True, "reasons": 1}] * 2
