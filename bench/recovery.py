@@ -60,7 +60,8 @@ def child(case: str, disk: str, shm: str, dcp_dir: str, spawned: float) -> dict[
 
         meta = dcp.FileSystemReader(dcp_dir).read_metadata()
         t = time.perf_counter()
-        state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()}
+        items = meta.state_dict_metadata.items()
+        state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in items}
         dcp.load(state, storage_reader=dcp.FileSystemReader(dcp_dir))
         out["restore"] = time.perf_counter() - t
         out["from_start"] = time.time() - spawned
@@ -110,9 +111,12 @@ def main() -> None:
 
         mem = times["memory"]
         rows.append(row("memcpy (fresh memory)", [t["memcpy"] for t in mem], None))
-        for case, name in (("memory", "ucl memory tier"), ("ucl", "ucl disk (cold)"), ("dcp", "DCP disk (cold)")):
-            rows.append(row(name, [t["restore"] for t in times[case]], [t["from_start"] for t in times[case]]))
-        print(f"state: {a.size} GPT + AdamW, {fmt_bytes(nbytes)}; median of {a.reps} interleaved fresh processes")
+        names = {"memory": "ucl memory tier", "ucl": "ucl disk (cold)", "dcp": "DCP disk (cold)"}
+        for case, name in names.items():
+            ts = times[case]
+            rows.append(row(name, [t["restore"] for t in ts], [t["from_start"] for t in ts]))
+        print(f"state: {a.size} GPT + AdamW, {fmt_bytes(nbytes)}; median of {a.reps} interleaved fresh "
+              "processes")
         print(markdown_table(["case", "restore s", "from start s", "GB/s"], rows))
         m = median([t["memcpy"] for t in mem])
         r = {c: median([t["restore"] for t in times[c]]) for c in times}

@@ -46,7 +46,8 @@ def test_drain_every_retention_and_restore(tmp_path: Path) -> None:
         assert mgr.durable is not None and mgr.durable.steps() == [4, 6]
         assert mgr.steps() == [4, 5, 6] and mgr.latest_step() == 6
         assert _equal(mgr.restore(), _state(6))
-        assert mgr.last_restore is not None and (mgr.last_restore.tier, mgr.last_restore.step) == ("memory", 6)
+        rep = mgr.last_restore
+        assert rep is not None and (rep.tier, rep.step) == ("memory", 6)
     assert ucl.validate(disk).ok and ucl.validate(mem).ok
     # the durable copy has the memory copy's commit record (files, sizes, checksums), its own commit time
     a, b = ucl.Repository.open(disk).commit_record(6), ucl.Repository.open(mem).commit_record(6)
@@ -116,8 +117,8 @@ os.kill(os.getpid(), signal.SIGKILL)  # no close, no drain of what is left, no l
 def test_process_killed_restores_from_memory_then_disk(tmp_path: Path) -> None:
     disk, mem = tmp_path / "disk", tmp_path / "mem"
     root = str(Path(__file__).resolve().parents[2])
-    p = subprocess.run([sys.executable, "-c", CHILD, str(disk), str(mem), root], capture_output=True, text=True,
-                       timeout=240)
+    p = subprocess.run([sys.executable, "-c", CHILD, str(disk), str(mem), root], capture_output=True,
+                       text=True, timeout=240)
     assert p.returncode == -signal.SIGKILL, p.stderr
     assert "saved" in p.stdout
     for repo in (disk, mem):
@@ -144,7 +145,8 @@ def test_two_ranks_agree_on_the_copy_they_restore(tmp_path: Path) -> None:
     out = dist.run(2, "tests.write.tier_cases:restore_tiered", {"disk": disk, "mem": mem})
     assert out == [{"step": 4, "tier": "memory", "exact": True, "reasons": 0}] * 2
     # one rank's shard of the newest memory copy damaged: both ranks pass over it, to the same disk copy
-    shard = next(p for p in sorted((tmp_path / "mem" / "steps" / "4").rglob("*")) if p.is_file() and "/c/" in str(p))
+    files = sorted((tmp_path / "mem" / "steps" / "4").rglob("*"))
+    shard = next(p for p in files if p.is_file() and "/c/" in str(p))
     data = bytearray(shard.read_bytes())
     data[len(data) // 3] ^= 1
     shard.write_bytes(bytes(data))

@@ -36,7 +36,13 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
-from ucl.errors import CheckpointNotFoundError, FormatError, IntegrityError, InvalidArgumentError, StepExistsError
+from ucl.errors import (
+    CheckpointNotFoundError,
+    FormatError,
+    IntegrityError,
+    InvalidArgumentError,
+    StepExistsError,
+)
 from ucl.format import structure
 from ucl.format.lock import WriterLock
 from ucl.format.metadata import CommitRecord
@@ -230,7 +236,7 @@ class CheckpointManager:
                 raise
         elif dtensor and mesh is not None:
             raise InvalidArgumentError("layout='dtensor' takes its mesh from the DTensors; pass no mesh=")
-        # with a memory tier, saves commit there (self.repo) and the drain copies them to `path` (self.durable)
+        # with a memory tier, saves commit there (self.repo); the drain copies them to `path` (self.durable)
         self.memory = memory
         self.durable: Repository | None = None
         self._durable_lock: WriterLock | None = None
@@ -267,8 +273,9 @@ class CheckpointManager:
                 if newest is not None and (durable is None or newest > durable):
                     self._drain.submit(newest, report=False)  # committed before a crash, not drained yet
         drain = self._drain
-        fast = Retention(self.repo, memory.keep_last, None,
-                         protected=drain.pending if drain is not None else None) if memory is not None else None
+        fast = None  # the memory tier's retention: never a step still to drain
+        if memory is not None:
+            fast = Retention(self.repo, memory.keep_last, None, drain.pending if drain is not None else None)
         self._committer = StepCommit(self.repo, self._dist, self._lock, fast or self._retention,
                                      options.commit_threads)
         self._queue: queue.Queue[Job | None] = queue.Queue()
@@ -515,7 +522,8 @@ class CheckpointManager:
             files = collected.pop(job.step, {})
             try:
                 record = self._committer.run(job, files, err, self._kinds.base_of(job))
-                if self._drain is not None and self.memory is not None and self.memory.due(job.step, time.monotonic()):
+                tier = self.memory
+                if self._drain is not None and tier is not None and tier.due(job.step, time.monotonic()):
                     self._drain.submit(job.step)
                 keep = self._kinds.advance(job)
                 self._events.committed(job.step, record, job.kind)
@@ -634,8 +642,9 @@ class CheckpointManager:
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every save so far is committed (with a memory tier: and drained where due); raise the first failure the caller has not seen
-        yet (a failure already raised by its handle's ``result()``, or by an earlier ``wait``, is handled)."""
+        """Block until every save so far is committed (with a memory tier: and drained where due); raise the
+        first failure the caller has not seen yet (a failure already raised by its handle's ``result()``, or
+        by an earlier ``wait``, is handled)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         first: BaseException | None = None
         for h in list(self._pending):

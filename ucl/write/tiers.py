@@ -62,13 +62,14 @@ class MemoryTier:
             raise InvalidArgumentError(f"MemoryTier keep_last must be a positive int, got {self.keep_last!r}")
         if self.interval is not None:
             if not isinstance(self.interval, AdaptiveInterval):
-                raise InvalidArgumentError(f"MemoryTier interval must be a ucl.write.policy.AdaptiveInterval, "
+                raise InvalidArgumentError("MemoryTier interval must be a ucl.write.policy.AdaptiveInterval, "
                                            f"got {self.interval!r}")
             if self.drain_every not in (None, 1):
                 raise InvalidArgumentError("MemoryTier takes drain_every= or interval=, not both")
         elif (not isinstance(self.drain_every, int) or isinstance(self.drain_every, bool)
               or self.drain_every < 1):
-            raise InvalidArgumentError(f"MemoryTier drain_every must be a positive int, got {self.drain_every!r}")
+            raise InvalidArgumentError(f"MemoryTier drain_every must be a positive int, "
+                                       f"got {self.drain_every!r}")
 
     def due(self, step: int, now: float) -> bool:
         """Whether committed ``step`` is to be drained (the interval, when given, is told it was)."""
