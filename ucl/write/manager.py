@@ -36,7 +36,13 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
-from ucl.errors import InvalidArgumentError, StepExistsError
+from ucl.errors import (
+    CheckpointNotFoundError,
+    FormatError,
+    IntegrityError,
+    InvalidArgumentError,
+    StepExistsError,
+)
 from ucl.format import structure
 from ucl.format.lock import WriterLock
 from ucl.format.metadata import CommitRecord
@@ -49,7 +55,7 @@ from ucl.write import compaction
 from ucl.write import rank_state as _rank_state
 from ucl.write.collectives import Collectives
 from ucl.write.commit import StepCommit
-from ucl.write.events import SaveEvents
+from ucl.write.events import SaveEvents, log
 from ucl.write.handle import SaveHandle
 from ucl.write.job import Job
 from ucl.write.kinds import StepKinds
@@ -58,6 +64,7 @@ from ucl.write.policy import AdaptiveInterval, DeltaPolicy
 from ucl.write.retention import Retention
 from ucl.write.shards import ShardWriter
 from ucl.write.staging import Staging, StagingSlot, footprint
+from ucl.write.tiers import Drain, MemoryTier, RestoreReport
 
 __all__ = ["CheckpointManager", "SaveHandle"]
 
@@ -112,6 +119,12 @@ class CheckpointManager:
     interval
         A :class:`ucl.write.policy.AdaptiveInterval` for :meth:`save_if_due`: checkpoint every
         Young/Daly interval, re-estimated from what saves measurably cost training (their blocking time).
+    memory
+        A :class:`ucl.write.tiers.MemoryTier`: every save commits to that repository (in memory that
+        survives the process, e.g. under /dev/shm), and the coordinator drains the steps its policy names
+        to ``path`` in the background, verified, committed there with the same commit record. ``keep_last``
+        and ``keep_every`` are then ``path``'s retention; the memory tier has its own. :meth:`restore`
+        reads the newest step that verifies in either, the memory tier first (docs/tiers.md).
     storage_options
         fsspec options for URLs.
     timeout
@@ -167,7 +180,9 @@ class CheckpointManager:
                  delta: Any = None, interval: AdaptiveInterval | None = None,
                  storage_options: dict[str, Any] | None = None, timeout: float = 600.0,
                  layout: Any = None, mesh: Any = None, options: WriteOptions = DEFAULT_WRITE,
-                 prepare: Any = None) -> None:
+                 prepare: Any = None, memory: MemoryTier | None = None) -> None:
+        if memory is not None and not isinstance(memory, MemoryTier):
+            raise InvalidArgumentError(f"memory must be a ucl.write.tiers.MemoryTier, got {memory!r}")
         if when_busy not in ("wait", "skip"):
             raise InvalidArgumentError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
         for n, v in (("keep_last", keep_last), ("keep_every", keep_every)):
@@ -221,7 +236,22 @@ class CheckpointManager:
                 raise
         elif dtensor and mesh is not None:
             raise InvalidArgumentError("layout='dtensor' takes its mesh from the DTensors; pass no mesh=")
-        self.repo, self._lock = self._open_repo(path, storage_options)
+        # with a memory tier, saves commit there (self.repo); the drain copies them to `path` (self.durable)
+        self.memory = memory
+        self.durable: Repository | None = None
+        self._durable_lock: WriterLock | None = None
+        if memory is not None:
+            self.durable, self._durable_lock = self._open_repo(path, storage_options)
+            try:
+                self.repo, self._lock = self._open_repo(memory.path, None)
+            except BaseException:
+                if self._durable_lock is not None:
+                    self._durable_lock.release()
+                self._close_groups()
+                raise
+        else:
+            self.repo, self._lock = self._open_repo(path, storage_options)
+        self.last_restore: RestoreReport | None = None  # what the last restore() read, and why
         self._events = SaveEvents(self.repo.url, self.rank)  # the log (ucl.write.events)
         codec = {"name": "zstd", "configuration": {"level": 1, "checksum": False}} if compression else None
         self._planner = Planner(self._ctl, self.rank, self.world, codec, self.layout, self.mesh, dtensor,
@@ -230,8 +260,24 @@ class CheckpointManager:
                                 threads=options.staging_threads)
         self._kinds = StepKinds(delta, self._staging, self._ctl, self.rank, self.world, options.inner_chunk_bytes)
         self._shards = ShardWriter(self.repo, self.rank, writer_threads, direct)
-        self._retention = Retention(self.repo, keep_last, keep_every)
-        self._committer = StepCommit(self.repo, self._dist, self._lock, self._retention, options.commit_threads)
+        self._drain: Drain | None = None
+        if memory is None:
+            self._retention = Retention(self.repo, keep_last, keep_every)
+        else:
+            assert self.durable is not None
+            self._retention = Retention(self.durable, keep_last, keep_every)  # the drain applies it
+            if self.rank == 0:
+                assert self._durable_lock is not None
+                self._drain = Drain(self.repo, self.durable, self._durable_lock, self._retention)
+                newest, durable = self.repo.latest(), self.durable.latest()
+                if newest is not None and (durable is None or newest > durable):
+                    self._drain.submit(newest, report=False)  # committed before a crash, not drained yet
+        drain = self._drain
+        fast = None  # the memory tier's retention: never a step still to drain
+        if memory is not None:
+            fast = Retention(self.repo, memory.keep_last, None, drain.pending if drain is not None else None)
+        self._committer = StepCommit(self.repo, self._dist, self._lock, fast or self._retention,
+                                     options.commit_threads)
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._pending: list[SaveHandle] = []
         self._last_step: int | None = None  # the step of this manager's previous save (steps only increase)
@@ -476,6 +522,9 @@ class CheckpointManager:
             files = collected.pop(job.step, {})
             try:
                 record = self._committer.run(job, files, err, self._kinds.base_of(job))
+                tier = self.memory
+                if self._drain is not None and tier is not None and tier.due(job.step, time.monotonic()):
+                    self._drain.submit(job.step)
                 keep = self._kinds.advance(job)
                 self._events.committed(job.step, record, job.kind)
                 job.future.set_result(record)
@@ -494,12 +543,19 @@ class CheckpointManager:
 
     # -- reading back ------------------------------------------------------------------------------
     def steps(self) -> list[int]:
-        """The committed steps, oldest first."""
-        return self.repo.steps()
+        """The committed steps, oldest first (with a memory tier: those of either tier)."""
+        return sorted({s for _, repo in self._tiers() for s in repo.steps()})
 
     def latest_step(self) -> int | None:
-        """The newest committed step, None when there is none."""
-        return self.repo.latest()
+        """The newest committed step, None when there is none (with a memory tier: of either tier)."""
+        found = [s for _, repo in self._tiers() if (s := repo.latest()) is not None]
+        return max(found) if found else None
+
+    def _tiers(self) -> list[tuple[str, Repository]]:
+        """The tiers restore reads, fastest first."""
+        if self.durable is None:
+            return [("repository", self.repo)]
+        return [("memory", self.repo), ("durable", self.durable)]
 
     def restore(self, step: int | None = None, *, rank_state: bool = False, handover: Any = None) -> Any:
         """The state dict of ``step`` (default: the latest committed), as it was saved.
@@ -507,27 +563,88 @@ class CheckpointManager:
         With a layout: this rank's local state under the manager's layout and mesh (from a step saved
         under any layout), its tensors at their local names and the step's JSON values kept.
 
+        With a memory tier: the newest step (or ``step``) whose copy loads with every checksum verified,
+        the memory tier tried before the durable one; a damaged or missing copy falls back to the next
+        (every rank agrees on the copy). ``last_restore`` (a :class:`ucl.write.tiers.RestoreReport`)
+        says which tier was read and why. A memory-tier copy newer than the restored step that failed
+        verification is removed from the memory tier (the coordinator), so that the step can be saved
+        again.
+
         ``rank_state=True`` returns ``(state, this rank's rank_state)`` (None for a step saved without one),
         handed over by ``handover(old_states, new_world) -> new_states`` (default
         :func:`ucl.write.rank_state.default_handover`) when the data-parallel size changed. docs/state.md.
         """
         t0 = time.perf_counter()
-        step = self.repo.latest() if step is None else step  # the step the log names (load reads the same)
-        if self.layout is not None:
-            out = load(self.repo.store, step, layout=self.layout, mesh=self.mesh, rank=self.rank)
+        if self.durable is None:
+            repo = self.repo
+            step = repo.latest() if step is None else step  # the step the log names (load reads the same)
+            out = self._load(repo, step)
+            self.last_restore = RestoreReport(step, "repository", repo.url)
         else:
-            out = load(self.repo.store, step)
+            out, step, repo = self._restore_tiered(step)
         self._events.restored(step, time.perf_counter() - t0, self.layout)
         if rank_state or handover is not None:
             assert step is not None  # load found no step otherwise
-            tree = self.repo.step_meta(step).tree
+            tree = repo.step_meta(step).tree
             return out, _rank_state.restored(tree, self.rank, self.world, self.mesh, handover)
         return out
 
+    def _load(self, repo: Repository, step: int | None) -> Any:
+        if self.layout is not None:
+            return load(repo.store, step, layout=self.layout, mesh=self.mesh, rank=self.rank)
+        return load(repo.store, step)
+
+    def _restore_tiered(self, step: int | None) -> tuple[Any, int, Repository]:
+        """Try (step, tier) candidates newest first, fastest tier first, until every rank loaded one."""
+        tiers = self._tiers()
+        candidates: list[tuple[int, int]] = []  # (step, index in tiers)
+        if self.rank == 0:
+            held = [set(repo.steps()) for _, repo in tiers]
+            steps = [step] if step is not None else sorted(set().union(*held), reverse=True)
+            candidates = [(s, i) for s in steps for i in range(len(tiers)) if s in held[i]]
+        candidates = self._ctl.broadcast(candidates)
+        reasons: list[str] = []
+        damaged: list[int] = []  # memory-tier steps that failed verification
+        for s, i in candidates:
+            name, repo = tiers[i]
+            out, why, bad = None, None, False
+            try:
+                out = self._load(repo, s)
+            except (IntegrityError, FormatError, CheckpointNotFoundError) as e:
+                why, bad = f"{e.code}: {e}", not isinstance(e, CheckpointNotFoundError)
+            verdicts = self._ctl.allgather(why)
+            failed = [(r, w) for r, w in enumerate(verdicts) if w is not None]
+            if not failed:
+                if self.rank == 0:
+                    for d in damaged:
+                        if d > s:
+                            self._delete_damaged(d)
+                self.last_restore = RestoreReport(s, name, repo.url, reasons)
+                if reasons:
+                    log.warning("restored step %d from the %s tier (%s) after: %s", s, name,
+                                             repo.url, "; ".join(reasons))
+                return out, s, repo
+            del out
+            reasons.append(f"step {s} in the {name} tier ({repo.url}) failed on rank {failed[0][0]}: "
+                           f"{failed[0][1]}")
+            if i == 0 and bad:
+                damaged.append(s)
+        what = f"step {step}" if step is not None else "a committed step"
+        raise CheckpointNotFoundError(f"no tier holds {what} that verifies: "
+                                      + ("; ".join(reasons) or "every tier is empty"),
+                                      file=self.durable.url if self.durable is not None else self.repo.url)
+
+    def _delete_damaged(self, step: int) -> None:
+        """Remove a memory-tier copy that failed verification (the coordinator, holding its lock)."""
+        log.warning("removing step %d from the memory tier %s: its copy fails verification",
+                                 step, self.repo.url)
+        Retention(self.repo, None, None).delete_step(step)
+
     # -- lifecycle ---------------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every save so far is committed; raise the first failure the caller has not seen
-        yet (a failure already raised by its handle's ``result()``, or by an earlier ``wait``, is handled)."""
+        """Block until every save so far is committed (with a memory tier: and drained where due); raise the
+        first failure the caller has not seen yet (a failure already raised by its handle's ``result()``, or
+        by an earlier ``wait``, is handled)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         first: BaseException | None = None
         for h in list(self._pending):
@@ -541,6 +658,11 @@ class CheckpointManager:
                 if not seen:
                     first = first or e
         self._pending = [h for h in self._pending if not h.done()]
+        if first is None and self._drain is not None:  # then the drains those saves started
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._drain.wait(left)
+            if self._drain.errors:
+                first = self._drain.errors.pop(min(self._drain.errors))
         if first is not None:
             raise first
 
@@ -557,8 +679,11 @@ class CheckpointManager:
             self._queue.put(None)
             self._thread.join(timeout)
             self._shards.close(timeout)
-            if self._lock is not None:
-                self._lock.release()
+            if self._drain is not None:
+                self._drain.close(timeout)
+            for lock in (self._lock, self._durable_lock):
+                if lock is not None:
+                    lock.release()
             self._close_groups()
 
     def _close_groups(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ucl.errors import UCLError
 from ucl.format.repository import Repository, commit_key, step_prefix
 from ucl.write.events import log
@@ -18,11 +20,15 @@ class Retention:
         Keep the newest ``keep_last`` committed steps (None keeps all).
     keep_every
         Also keep every step divisible by ``keep_every``.
+    protected
+        Steps also kept, asked at each retention (a memory tier's steps not drained yet: ucl.write.tiers).
     """
 
-    def __init__(self, repo: Repository, keep_last: int | None, keep_every: int | None) -> None:
+    def __init__(self, repo: Repository, keep_last: int | None, keep_every: int | None,
+                 protected: Callable[[], set[int]] | None = None) -> None:
         self.repo = repo
         self.keep_last, self.keep_every = keep_last, keep_every
+        self.protected = protected
 
     def retain(self, newest: int) -> None:
         """Delete steps outside keep_last/keep_every; never the newest committed step."""
@@ -32,6 +38,8 @@ class Retention:
         keep = set(steps[-self.keep_last :]) | {newest}
         if self.keep_every:
             keep |= {s for s in steps if s % self.keep_every == 0}
+        if self.protected is not None:
+            keep |= self.protected()
         keep |= needed_bases(self.repo, keep)
         drop = [s for s in steps if s not in keep and s < newest]
         if drop:

@@ -1,0 +1,192 @@
+"""Tiers: a fast repository in front of the durable one, and the drain that copies committed steps down.
+
+A tier is an ordinary ucl repository (nothing new on disk, spec/core.md §12). With
+``CheckpointManager(path, memory=MemoryTier("/dev/shm/job"))`` every save commits to the memory tier;
+the coordinator's drain thread then copies the committed steps the policy names down to ``path``:
+each file read back from the memory tier and checked against the step's commit record (size, crc32c of
+documents, every inner chunk's crc32c and the digest of shards), written, made durable, and committed
+with the same record through :class:`~ucl.write.step.StepWriter` (the record last, atomically). A step
+is therefore visible in a tier only once complete there, and the memory tier's retention keeps every
+step that is due to drain and not drained yet (``Retention(protected=)``): draining never deletes the
+only copy.
+
+Call sequence (who calls each): ``Drain.submit(step)`` the coordinator's persister, after each commit
+to the memory tier; the drain thread copies; ``Drain.wait()`` / ``Drain.close()`` the manager.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from ucl.errors import CheckpointNotFoundError, InvalidArgumentError, StepExistsError, WriteError
+from ucl.format.lock import WriterLock
+from ucl.format.repository import Repository, step_prefix
+from ucl.io.stores.local import HAS_SYNCFS
+from ucl.write.events import log
+from ucl.write.policy import AdaptiveInterval
+from ucl.write.retention import Retention
+from ucl.write.step import StepWriter
+
+__all__ = ["Drain", "MemoryTier", "RestoreReport", "copy_step"]
+
+
+@dataclass(frozen=True)
+class MemoryTier:
+    """Where saves commit first: a repository in memory that survives the process (e.g. /dev/shm).
+
+    Parameters
+    ----------
+    path
+        The memory tier's repository directory (created if needed). Every rank of the job must see the
+        same directory (one node, or a shared mount).
+    keep_last
+        Committed steps the memory tier keeps (its own retention; steps not drained yet are kept too).
+    drain_every
+        Drain every step divisible by ``drain_every`` to the durable repository (1: every step).
+    interval
+        Instead of ``drain_every``: drain when the Young/Daly interval of this
+        :class:`~ucl.write.policy.AdaptiveInterval` has passed since the last drained step.
+    """
+
+    path: Any
+    keep_last: int = 2
+    drain_every: int | None = 1
+    interval: AdaptiveInterval | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keep_last, int) or isinstance(self.keep_last, bool) or self.keep_last < 1:
+            raise InvalidArgumentError(f"MemoryTier keep_last must be a positive int, got {self.keep_last!r}")
+        if self.interval is not None:
+            if not isinstance(self.interval, AdaptiveInterval):
+                raise InvalidArgumentError("MemoryTier interval must be a ucl.write.policy.AdaptiveInterval, "
+                                           f"got {self.interval!r}")
+            if self.drain_every not in (None, 1):
+                raise InvalidArgumentError("MemoryTier takes drain_every= or interval=, not both")
+        elif (not isinstance(self.drain_every, int) or isinstance(self.drain_every, bool)
+              or self.drain_every < 1):
+            raise InvalidArgumentError(f"MemoryTier drain_every must be a positive int, "
+                                       f"got {self.drain_every!r}")
+
+    def due(self, step: int, now: float) -> bool:
+        """Whether committed ``step`` is to be drained (the interval, when given, is told it was)."""
+        if self.interval is not None:
+            return self.interval.should_save(step, now)
+        assert self.drain_every is not None
+        return step % self.drain_every == 0
+
+
+@dataclass
+class RestoreReport:
+    """What :meth:`CheckpointManager.restore` read: the step, the tier and its url, and why (every
+    candidate tried before it and the error that ruled it out)."""
+
+    step: int | None
+    tier: str | None
+    url: str | None
+    reasons: list[str] = field(default_factory=list)
+
+
+def copy_step(src: Repository, dst: Repository, step: int, lock: WriterLock, _depth: int = 0) -> bool:
+    """Copy committed ``step`` from ``src`` to ``dst`` verified, and commit it there with the same record.
+
+    A delta step's chain is copied first (parents missing in ``dst``). Returns False when ``dst`` already
+    holds the step. Raises the integrity error of a damaged source file; ``dst`` is then left without
+    the step (its files of the attempt are removed by the next attempt or ``ucl gc``)."""
+    if _depth > 1024:
+        raise InvalidArgumentError(f"step {step} of {src.url}: delta chain longer than 1024 steps")
+    try:
+        dst.commit_record(step)
+        return False
+    except CheckpointNotFoundError:
+        pass
+    record = src.commit_record(step)
+    meta = src.step_meta(step, record)
+    if record.parent is not None:
+        copy_step(src, dst, record.parent, lock, _depth + 1)
+    writer = StepWriter(dst, step, lock=lock)
+    writer.begin()
+    inner = {a.key: a.n_inner for a in meta.arrays.values()}
+    prefix = step_prefix(step)
+    for rel in record.files:
+        head, sep, _ = rel.partition("/c/")
+        n_inner = inner.get(head) if sep else None
+        data = src.read_verified(step, rel, record, n_inner=n_inner)
+        # with syncfs one call below makes every file durable; without it, each file is made durable here
+        size, crc = dst.store.write(f"{prefix}/{rel}", [data], durable=not HAS_SYNCFS)
+        if size != record.files[rel][0] or (n_inner is None and crc != record.files[rel][1]):
+            raise WriteError(f"{dst.url}/{prefix}/{rel}: {size} bytes written differ from the source's",
+                             file=f"{prefix}/{rel}")
+    if not dst.store.sync_all():  # the directory entries durable before the record
+        dirs = {prefix, "steps"} | {f"{prefix}/{os.path.dirname(r)}" for r in record.files if "/" in r}
+        for d in sorted(dirs):
+            dst.store.sync_dir(d)
+    writer.commit(meta, {}, documents=dict(record.files))
+    return True
+
+
+class Drain:
+    """The coordinator's drain thread: copies committed steps of the memory tier to the durable tier.
+
+    ``pending()`` (the steps submitted and not drained yet) is what the memory tier's retention keeps.
+    A failed drain is logged and remembered (``errors``); the step stays in the memory tier until a
+    later step is drained (retention then treats it as any older step).
+    """
+
+    def __init__(self, src: Repository, dst: Repository, lock: WriterLock, retention: Retention) -> None:
+        self.src, self.dst, self.lock, self.retention = src, dst, lock, retention
+        self._queue: queue.Queue[tuple[int, bool] | None] = queue.Queue()
+        self._pending: set[int] = set()
+        self._guard = threading.Lock()
+        self._idle = threading.Condition(self._guard)
+        self.errors: dict[int, BaseException] = {}
+        self.drained: list[int] = []
+        self._thread = threading.Thread(target=self._loop, name="ucl-drain", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: int, *, report: bool = True) -> None:
+        """Drain ``step``; ``report=False`` (a step found undrained when the manager opened, which may
+        be the damaged copy a restore is about to pass over): a failure is logged, not raised by wait()."""
+        with self._guard:
+            self._pending.add(step)
+        self._queue.put((step, report))
+
+    def pending(self) -> set[int]:
+        with self._guard:
+            return set(self._pending)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            step, report = item
+            try:
+                if copy_step(self.src, self.dst, step, self.lock):
+                    self.lock.renew()
+                    self.retention.retain(step)  # the durable tier's own keep_last / keep_every
+                self.drained.append(step)
+                log.info("step %d drained from %s to %s", step, self.src.url, self.dst.url)
+            except StepExistsError:
+                self.drained.append(step)
+            except BaseException as e:  # noqa: BLE001 - reported by wait(); the memory copy stays
+                if report:
+                    self.errors[step] = e
+                log.error("draining step %d from %s to %s failed: %s", step, self.src.url, self.dst.url, e)
+            finally:
+                with self._guard:
+                    self._pending.discard(step)
+                    self._idle.notify_all()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until every submitted step is drained (or failed)."""
+        with self._guard:
+            self._idle.wait_for(lambda: not self._pending, timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        self.wait(timeout)
+        self._queue.put(None)
+        self._thread.join(timeout)
