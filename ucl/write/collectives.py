@@ -14,6 +14,7 @@ import datetime
 import traceback
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ucl.errors import ALL_CODES, UCLError
@@ -65,6 +66,14 @@ class Collectives:
         out: list[Any] = [None] * self.world
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def any_of(self, flags: list[bool]) -> list[bool]:
+        """For each flag, whether it is set on any rank (one allreduce of len(flags) integers)."""
+        if self.group is None:
+            return list(flags)
+        t = torch.tensor([int(f) for f in flags], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return [bool(v) for v in t.tolist()]
 
     def broadcast(self, obj: Any) -> Any:
         """The coordinator's ``obj`` on every rank (the other ranks' argument is ignored)."""

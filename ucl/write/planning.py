@@ -76,11 +76,12 @@ class Planner:
                self._dtensor_key)
         hit = key in self.plans
         if self._ctl.group is not None:  # every rank plans again if any rank's shapes changed
-            votes = self._ctl.allgather((hit, error))
-            errors = [err for _, err in votes if err is not None]
-            if errors:  # every rank refuses the save, before any byte of it
-                raise error_from(errors[0])
-            hit = all(h for h, _ in votes)
+            # two flags reduced, not a vote gathered: a rank receives O(1) per save, whatever the world
+            miss, failed = self._ctl.any_of([not hit, error is not None])
+            if failed:  # every rank refuses the save, before any byte of it: the lowest rank's error
+                errors = [err for err in self._ctl.gather(error) if err is not None]
+                raise error_from(self._ctl.broadcast(errors[0] if errors else None))
+            hit = not miss
         layout, mesh, rank_in_mesh = self._source()
         if not hit:
             self.plans = {key: self.plan_layout(saveplan.local_shapes(tensors), layout, mesh, rank_in_mesh)}
