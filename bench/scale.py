@@ -91,8 +91,7 @@ class SimulatedGroup:
     def gather(self, obj: Any) -> list[Any]:
         return self._receive("gather", obj)
 
-    def broadcast(self, obj: Any) -> Any:
-        self.received += 0
+    def broadcast(self, obj: Any) -> Any:  # the coordinator sends; it receives nothing
         return obj
 
 

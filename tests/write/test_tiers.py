@@ -54,12 +54,17 @@ def test_drain_every_retention_and_restore(tmp_path: Path) -> None:
     assert (a.files, a.kind, a.parent) == (b.files, b.kind, b.parent)
 
 
+def _save_steps(disk: Path, tier: MemoryTier, n: int) -> None:
+    """Steps 0 .. n-1 saved through ``tier`` by a manager that is then closed (its drains done)."""
+    with CheckpointManager(disk, memory=tier) as mgr:
+        for s in range(n):
+            mgr.save(s, _state(s)).result()
+
+
 def test_damaged_memory_copy_falls_back_and_is_removed(tmp_path: Path) -> None:
     disk, mem = tmp_path / "disk", tmp_path / "mem"
     tier = MemoryTier(mem, keep_last=3, drain_every=3)
-    with CheckpointManager(disk, memory=tier) as mgr:
-        for s in range(5):
-            mgr.save(s, _state(s)).result()
+    _save_steps(disk, tier, 5)
     _flip(mem, 4)
     _flip(mem, 3)
     with CheckpointManager(disk, memory=tier) as mgr:
@@ -78,9 +83,7 @@ def test_damaged_memory_copy_falls_back_and_is_removed(tmp_path: Path) -> None:
 def test_memory_tier_lost_restores_from_durable(tmp_path: Path) -> None:
     disk, mem = tmp_path / "disk", tmp_path / "mem"
     tier = MemoryTier(mem, keep_last=2, drain_every=2)
-    with CheckpointManager(disk, memory=tier) as mgr:
-        for s in range(4):
-            mgr.save(s, _state(s)).result()
+    _save_steps(disk, tier, 4)
     shutil.rmtree(mem)  # the machine rebooted
     with CheckpointManager(disk, memory=tier) as mgr:
         assert _equal(mgr.restore(), _state(2))

@@ -143,7 +143,6 @@ class Drain:
         self._guard = threading.Lock()
         self._idle = threading.Condition(self._guard)
         self.errors: dict[int, BaseException] = {}
-        self.drained: list[int] = []
         self._thread = threading.Thread(target=self._loop, name="ucl-drain", daemon=True)
         self._thread.start()
 
@@ -168,10 +167,9 @@ class Drain:
                 if copy_step(self.src, self.dst, step, self.lock):
                     self.lock.renew()
                     self.retention.retain(step)  # the durable tier's own keep_last / keep_every
-                self.drained.append(step)
                 log.info("step %d drained from %s to %s", step, self.src.url, self.dst.url)
-            except StepExistsError:
-                self.drained.append(step)
+            except StepExistsError:  # committed there by an earlier drain of the same step
+                pass
             except BaseException as e:  # noqa: BLE001 - reported by wait(); the memory copy stays
                 if report:
                     self.errors[step] = e
