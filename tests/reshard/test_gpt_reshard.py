@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import ucl
+import ucl.adapters.zarr_store
 from ucl.testing import dist
 from ucl.testing.layout_reference import shard_local_state, unshard
 

@@ -15,7 +15,7 @@ import itertools
 import math
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +28,6 @@ from ucl.layout import Layout, Mesh
 from ucl.layout.resolve import Resolver
 from ucl.layout.transforms import make_tile
 from ucl.plan.items import ArraySpec
-from ucl.plan.layout_load import logical_tensors
 from ucl.plan.layout_save import infer_shapes, plan_save
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -68,7 +67,6 @@ class SavePlan:
     writes: list[LocalWrite]  # what this rank writes
     layout: dict[str, Any] | None = None  # canonical JSON of the source layout
     mesh: dict[str, Any] | None = None
-    logical: tuple[str, ...] = field(default=())  # a layout step's logical tensor names (the coordinator's)
 
     @property
     def sources(self) -> set[str]:
@@ -248,8 +246,7 @@ def from_layout(
                 None if whole else rel,
             )
         )
-    logical = tuple(logical_tensors(specs)) if arrays is not None else ()
-    return SavePlan(metas, writes, dict(rank_plan.layout_json), dict(rank_plan.mesh_json), logical)
+    return SavePlan(metas, writes, dict(rank_plan.layout_json), dict(rank_plan.mesh_json))
 
 
 def block_of(w: LocalWrite, local: torch.Tensor) -> torch.Tensor:

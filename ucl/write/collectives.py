@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import pickle
 import traceback
 from typing import Any
 
@@ -58,6 +59,28 @@ class Collectives:
         dist.gather_object(obj, out if self.rank == 0 else None, dst=dist.get_global_rank(self.group, 0),
                            group=self.group)
         return out
+
+    def collect(self, obj: Any, senders: list[int]) -> list[Any]:
+        """The ``obj`` of each rank in ``senders`` (not the coordinator) on the coordinator, in that
+        order; an empty list elsewhere. Point to point: the other ranks send nothing, where
+        ``gather_object`` pads every rank's object to the largest one's size (a few large objects among
+        many ranks would cost the coordinator world x largest bytes)."""
+        if self.group is None or not senders:
+            return []
+        if self.rank == 0:
+            out = []
+            for r in senders:
+                size = torch.empty(1, dtype=torch.int64)
+                dist.recv(size, group=self.group, group_src=r)
+                data = torch.empty(int(size.item()), dtype=torch.uint8)
+                dist.recv(data, group=self.group, group_src=r)
+                out.append(pickle.loads(data.numpy().tobytes()))
+            return out
+        if self.rank in senders:
+            blob = pickle.dumps(obj)
+            dist.send(torch.tensor([len(blob)], dtype=torch.int64), group=self.group, group_dst=0)
+            dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), group=self.group, group_dst=0)
+        return []
 
     def allgather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` on every rank, in rank order."""

@@ -7,6 +7,8 @@ before any byte of the step is written (:meth:`Planner.plan_layout`).
 
 from __future__ import annotations
 
+import pickle
+import zlib
 from typing import Any
 
 import torch
@@ -14,6 +16,7 @@ import torch
 from ucl.errors import UCLError
 from ucl.layout import Layout, Mesh, as_mesh, layout_from_dtensors, mesh_rank
 from ucl.plan import save as saveplan
+from ucl.plan import summary as summary_mod
 from ucl.plan.items import RankPlan
 from ucl.plan.layout_save import merge_plans
 from ucl.write.collectives import Collectives, error_dict, error_from
@@ -46,6 +49,7 @@ class Planner:
         self.plans: dict[Any, saveplan.SavePlan] = {}
         self._dtensor_layouts: dict[Any, tuple[Any, Any, int]] = {}
         self._dtensor_key: Any = None
+        self.protocol = ""  # the protocol of the last layout plan: "compact", or "full" (its fallback)
 
     def plan(self, tensors: dict[str, torch.Tensor]) -> saveplan.SavePlan:
         """The plan of a state of these tensors (every rank calls it, for a layout save).
@@ -95,10 +99,60 @@ class Planner:
 
     def plan_layout(self, local: dict[str, tuple[tuple[int, ...], str]], layout: Any, mesh: Any,
                     rank_in_mesh: int) -> saveplan.SavePlan:
-        """Plan a layout save on every rank: allgather the local shapes, plan each rank (errors caught),
-        gather the plans to the coordinator, which merges and checks them (every chunk written exactly
-        once, every statement matched); every rank then learns the verdict. Nothing is written before. ``local``: the rank's
-        :func:`ucl.plan.save.local_shapes` (bench/scale.py passes simulated ranks' shapes)."""
+        """Plan a layout save on every rank, checked on the coordinator before any byte is written: every
+        chunk written exactly once, ranks agreeing on every array, every statement matched. ``local``: the
+        rank's :func:`ucl.plan.save.local_shapes` (bench/scale.py passes simulated ranks' shapes).
+
+        First the compact protocol (:meth:`_plan_compact`: O(1) bytes per rank to the coordinator); if its
+        summaries do not verify (an uneven split, a rank's error, a disagreement), the full one
+        (:meth:`_plan_full`), whose checks name the problem."""
+        plan = self._plan_compact(local, layout, mesh, rank_in_mesh)
+        self.protocol = "compact" if plan is not None else "full"
+        return plan if plan is not None else self._plan_full(local, layout, mesh, rank_in_mesh)
+
+    def _plan_compact(self, local: dict[str, tuple[tuple[int, ...], str]], layout: Any, mesh: Any,
+                      rank_in_mesh: int) -> saveplan.SavePlan | None:
+        """Every rank plans alone (a split dim without a declared size assumed even) and sends the
+        coordinator a :class:`~ucl.plan.summary.PlanSummary`; the coordinator asks one rank per distinct
+        set of arrays for the arrays it lacks (point to point, so the silent ranks send nothing) and checks
+        the step (:func:`ucl.plan.summary.check`). None (on every rank): the summaries did not verify.
+
+        A rank receives two broadcasts: which ranks send arrays with the coordinator's array digests, and
+        the verdict. The coordinator receives a summary per rank and the arrays it lacks, once per
+        distinct set (ranks differing only in a data-parallel coordinate hold the same arrays)."""
+        rank_plan, digests, summary = compact_summary(layout, mesh, rank_in_mesh, local)
+        summaries = self._ctl.gather(summary)
+        ask: dict[str, Any] | None = None
+        parsed: list[summary_mod.PlanSummary] = []
+        if self.rank == 0 and summary is not None and all(s is not None for s in summaries):
+            parsed = [summary_mod.PlanSummary.from_tuple(s) for s in summaries]
+            ask = {"reps": summary_mod.representatives(parsed, parsed[0].arrays), "have": digests}
+        ask = self._ctl.broadcast(ask)
+        if ask is None:
+            return None
+        sent = None
+        if self.rank in ask["reps"]:
+            assert rank_plan is not None
+            sent = compact_arrays(rank_plan, digests, ask["have"])
+        received = self._ctl.collect(sent, ask["reps"])
+        merged = None
+        if self.rank == 0:
+            assert rank_plan is not None
+            try:
+                merged = summary_mod.check(layout, mesh, parsed, rank_plan.arrays, digests,
+                                           [pickle.loads(zlib.decompress(b)) for b in received])
+            except Exception:  # noqa: BLE001 - the full protocol names what is wrong
+                merged = None
+        if not self._ctl.broadcast(merged is not None):
+            return None
+        assert rank_plan is not None
+        return saveplan.from_layout(rank_plan, merged, self.compression, self.inner_bytes)
+
+    def _plan_full(self, local: dict[str, tuple[tuple[int, ...], str]], layout: Any, mesh: Any,
+                   rank_in_mesh: int) -> saveplan.SavePlan:
+        """Allgather the local shapes (the logical shapes of uneven splits are inferred from them), plan
+        each rank (errors caught), gather the plans to the coordinator, which merges and checks them
+        (:func:`ucl.plan.layout_save.merge_plans`); every rank then learns the verdict."""
         all_local = self._ctl.allgather(local)
         rank_plan = None
         payload: dict[str, Any]
@@ -144,3 +198,22 @@ class Planner:
             self._dtensor_layouts = {key: (layout, mesh, rank)}
         self._dtensor_key = key
         return {n: t.to_local() if isinstance(t, DTensor) else t for n, t in tensors.items()}
+
+
+def compact_summary(layout: Any, mesh: Any, rank: int, local: dict[str, tuple[tuple[int, ...], str]]
+                    ) -> tuple[RankPlan | None, dict[str, bytes], tuple[Any, ...] | None]:
+    """A rank's part of the compact protocol: its plan (a split dim without a declared size assumed
+    even), its arrays' digests and the summary it sends; (None, {}, None) if it could not plan (the full
+    protocol then reports why, with every rank's view)."""
+    try:
+        rank_plan = saveplan.plan_rank(layout, mesh, rank, local)
+        digests = summary_mod.spec_digests(rank_plan.arrays)
+        return rank_plan, digests, summary_mod.summarize(rank_plan, digests).to_tuple()
+    except Exception:  # noqa: BLE001
+        return None, {}, None
+
+
+def compact_arrays(rank_plan: RankPlan, digests: dict[str, bytes], have: dict[str, bytes]) -> bytes:
+    """What a representative sends: the arrays the coordinator lacks, pickled and compressed (names of
+    a model's layers repeat: ~13x smaller)."""
+    return zlib.compress(pickle.dumps(summary_mod.missing(rank_plan.arrays, digests, have)), 1)
