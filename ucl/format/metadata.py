@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from functools import cache
 from pathlib import Path
@@ -29,7 +29,9 @@ from ucl.format import dtypes, names, structure
 from ucl.format.records import DeltaRecord, GradientRecords, choose_encoding, parse_codec
 from ucl.io import native as _native
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what a step document is written as (spec/core.md §9 item 5); 1 still reads
+STEP_FORMAT_VERSIONS = (1, 2)  # the step document versions this reader implements
+REPO_FORMAT_VERSION = 1  # the repository document's: its form did not change in version 2
 MAX_DOC_BYTES = 256 << 20
 MAX_JSON_DEPTH = 128  # spec/core.md §8.4: a step document's deepest legitimate value is at depth 100
 MAX_ELEMENTS = 1 << 62
@@ -62,7 +64,9 @@ def loads(data: bytes, what: str) -> Any:
 
 
 def dumps(doc: Any) -> bytes:
-    return json.dumps(doc, indent=1, sort_keys=False, allow_nan=False).encode()
+    """A document as written: compact (no whitespace; spec/core.md §3.4 makes indentation no part of the
+    format, and a large step's documents are half whitespace when indented)."""
+    return json.dumps(doc, separators=(",", ":"), sort_keys=False, allow_nan=False).encode()
 
 
 def canonical(doc: Any) -> bytes:
@@ -144,7 +148,7 @@ def now() -> str:
 
 # -- the repository --------------------------------------------------------------------------------
 def repo_doc() -> dict[str, Any]:
-    return {"zarr_format": 3, "node_type": "group", "attributes": {"ucl": {"format_version": FORMAT_VERSION}}}
+    return {"zarr_format": 3, "node_type": "group", "attributes": {"ucl": {"format_version": REPO_FORMAT_VERSION}}}
 
 
 def _format_version(doc: Any) -> Any:
@@ -159,8 +163,9 @@ def _format_version(doc: Any) -> Any:
 def parse_repo(data: bytes, what: str = "zarr.json") -> dict[str, Any]:
     doc = loads(data, what)
     version = _format_version(doc)
-    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
-        raise UnsupportedVersionError(f"{what}: format version {version}; this reader knows up to {FORMAT_VERSION}", file=what)
+    if isinstance(version, int) and not isinstance(version, bool) and version > REPO_FORMAT_VERSION:
+        raise UnsupportedVersionError(f"{what}: format version {version}; this reader knows up to "
+                                      f"{REPO_FORMAT_VERSION}", file=what)
     check_schema(doc, "repository", what)
     check_extensions(doc["attributes"]["ucl"].get("extensions", []), what)
     return doc
@@ -239,9 +244,11 @@ class ArrayMeta:
         first = _BYTES_LE if self.itemsize > 1 else {"name": "bytes"}
         return [first, *([self.compression] if self.compression else []), _CRC]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, with_logical: bool = False) -> dict[str, Any]:
+        """The array document. Its logical record is kept in the step document (format version 2,
+        :func:`pack_logical`); ``with_logical`` writes it in the document, as version 1 did."""
         attrs: dict[str, Any] = {"name": self.name}
-        if self.logical is not None:
+        if with_logical and self.logical is not None:
             attrs["logical"] = self.logical
         if self.delta is not None:
             attrs["delta"] = self.delta
@@ -333,6 +340,109 @@ class ArrayMeta:
                    compression=compression, delta=delta, logical=logical)
 
 
+# -- logical records, once per step (format version 2) --------------------------------------------
+def pack_logical(arrays: dict[str, ArrayMeta]) -> dict[str, Any] | None:
+    """The step document's ``attributes.ucl.logical`` (spec/layout.md §6.3): every logical tensor that a
+    record maps once, ``[name, shape]`` (its dtype is that of the arrays holding it), and each array's
+    record as a list of maps ``[t, start, shape, at]`` (``t`` the tensor's index), a view map
+    ``[t, start, shape, offset]`` (``at`` zero, the view the box's shape) or ``[t, start, shape, at,
+    offset, view shape]``. None when no array has a record. The inverse of :func:`unpack_logical`."""
+    index: dict[str, int] = {}
+    table: list[list[Any]] = []
+    records: dict[str, Any] = {}
+
+    def tensor(name: str, shape: list[int], arr: ArrayMeta) -> int:
+        t = index.get(name)
+        if t is None:
+            index[name] = t = len(table)
+            table.append([name, list(shape)])
+        elif table[t][1] != list(shape):
+            raise InconsistentMetadataError(f"the records of step arrays disagree on the shape of tensor {name!r}: "
+                                            f"{table[t][1]} and {list(shape)} (in {arr.name!r})", tensor=name)
+        return t
+
+    for a in arrays.values():
+        rec = a.logical
+        if not rec:
+            continue
+        tensors = rec["tensors"]
+        for name, t in tensors.items():
+            if t["dtype"] != a.dtype:
+                raise InconsistentMetadataError(f"array {a.name!r} of data type {a.dtype} records tensor {name!r} "
+                                                f"as {t['dtype']}", tensor=a.name)
+        maps: list[list[Any]] = []
+        mapped: set[str] = set()
+        for m in rec["maps"]:
+            name = m["tensor"]
+            mapped.add(name)
+            t = tensor(name, tensors[name]["shape"], a)
+            start, shape = m["box"]
+            view = m.get("view")
+            if view is None:
+                maps.append([t, start, shape, m["at"]])
+            elif view["shape"] == shape and not any(m["at"]):
+                maps.append([t, start, shape, view["offset"]])
+            else:
+                maps.append([t, start, shape, m["at"], view["offset"], view["shape"]])
+        out: dict[str, Any] = {"maps": maps}
+        unmapped = [tensor(n, t["shape"], a) for n, t in tensors.items() if n not in mapped]
+        if unmapped:
+            out["unmapped"] = unmapped
+        if "partial" in rec:
+            out["partial"] = rec["partial"]
+        records[a.name] = out
+    return {"tensors": table, "records": records} if records else None
+
+
+def unpack_logical(doc: dict[str, Any], arrays: dict[str, ArrayMeta], what: str) -> dict[str, ArrayMeta]:
+    """``arrays`` with the records of a step document's ``attributes.ucl.logical`` (schema-checked), each
+    in the form of an array's record (spec/layout.md §6.3, ``$defs/logical_record``)."""
+    table = doc["tensors"]
+    seen: set[str] = set()
+    for name, _ in table:
+        if name in seen:
+            raise InconsistentMetadataError(f"{what}: attributes.ucl.logical lists tensor {name!r} twice",
+                                            tensor=name, file=what)
+        seen.add(name)
+    out = dict(arrays)
+    for aname, rec in doc["records"].items():
+        arr = arrays.get(aname)
+        if arr is None:
+            raise InconsistentMetadataError(f"{what}: attributes.ucl.logical has a record for {aname!r}, which is "
+                                            "no array of the step", tensor=aname, file=what)
+
+        def entry(t: int, aname: str = aname) -> tuple[str, list[int]]:
+            if t >= len(table):
+                raise InconsistentMetadataError(f"{what}: the logical record of {aname!r} names tensor {t}; the "
+                                                f"step lists {len(table)}", tensor=aname, file=what)
+            return table[t][0], table[t][1]
+
+        tensors: dict[str, Any] = {}
+        maps: list[dict[str, Any]] = []
+        for m in rec["maps"]:
+            name, tshape = entry(m[0])
+            if name not in tensors:
+                tensors[name] = {"shape": tshape, "dtype": arr.dtype}
+            start, shape = m[1], m[2]
+            if len(m) == 4 and type(m[3]) is int:
+                maps.append({"tensor": name, "box": [start, shape], "at": [0] * len(shape),
+                             "view": {"offset": m[3], "shape": shape}})
+            elif len(m) == 4:
+                maps.append({"tensor": name, "box": [start, shape], "at": m[3]})
+            else:
+                maps.append({"tensor": name, "box": [start, shape], "at": m[3],
+                             "view": {"offset": m[4], "shape": m[5]}})
+        for t in rec.get("unmapped", ()):
+            name, tshape = entry(t)
+            tensors.setdefault(name, {"shape": tshape, "dtype": arr.dtype})
+        logical: dict[str, Any] = {"tensors": tensors, "maps": maps}
+        if "partial" in rec:
+            logical["partial"] = rec["partial"]
+        if tensors:
+            out[aname] = replace(arr, logical=logical)
+    return out
+
+
 def _strip(codec: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in codec.items() if k != "must_understand" or v is not False}
 
@@ -350,6 +460,11 @@ class StepMeta:
     layout: dict[str, Any] | None = None
     mesh: dict[str, Any] | None = None
     extensions: tuple[dict[str, Any], ...] = ()
+    #: The step whose logical records this step's arrays have (a delta step's ancestor; spec/layout.md
+    #: §6.9): written as ``{"from": S}`` instead of the records. Read: the records are S's, resolved by
+    #: :meth:`ucl.format.repository.Repository.step_meta` (``arrays`` then hold them).
+    logical_from: int | None = None
+    format_version: int = FORMAT_VERSION
 
     @property
     def gradient_records(self) -> Any:
@@ -360,17 +475,29 @@ class StepMeta:
                 return GradientRecords.from_extension(e)
         return None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, format_version: int = FORMAT_VERSION) -> dict[str, Any]:
+        """The step document, of ``format_version`` 2 (the logical records once, in ``attributes.ucl``)
+        or 1 (each array's record in its document, for readers of version 1 only)."""
+        if format_version not in STEP_FORMAT_VERSIONS:
+            raise ValueError(f"format version {format_version}: a writer writes one of {STEP_FORMAT_VERSIONS}")
+        v1 = format_version == 1
         nodes: dict[str, Any] = {}
         for a in self.arrays.values():
             parts = a.key.split("/")
             for i in range(1, len(parts)):
                 nodes.setdefault("/".join(parts[:i]), {"zarr_format": 3, "node_type": "group", "attributes": {}})
-            nodes[a.key] = a.to_dict()
-        ucl: dict[str, Any] = {"format_version": FORMAT_VERSION, "step": self.step, "kind": self.kind,
+            nodes[a.key] = a.to_dict(with_logical=v1)
+        ucl: dict[str, Any] = {"format_version": format_version, "step": self.step, "kind": self.kind,
                                "parent": self.parent, "tree": self.tree, "layout": self.layout, "mesh": self.mesh}
         if self.extensions:
             ucl["extensions"] = list(self.extensions)
+        if not v1:
+            if self.logical_from is not None:
+                ucl["logical"] = {"from": self.logical_from}
+            else:
+                packed = pack_logical(self.arrays)
+                if packed is not None:
+                    ucl["logical"] = packed
         return {
             "zarr_format": 3,
             "node_type": "group",
@@ -380,12 +507,19 @@ class StepMeta:
 
     @classmethod
     def from_dict(cls, doc: Any, what: str) -> StepMeta:
+        """A step document of version 1 or 2. A version 2 step whose records are another step's
+        (``logical: {"from": S}``) comes back with ``logical_from`` set and no records in its arrays:
+        :meth:`with_records_of` gives them (Repository.step_meta does)."""
         version = _format_version(doc)
         if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
             raise UnsupportedVersionError(f"{what}: format version {version}; this reader knows up to {FORMAT_VERSION}", file=what)
         check_schema(doc, "step", what)
         ucl = doc["attributes"]["ucl"]
+        version = ucl["format_version"]
         check_extensions(ucl.get("extensions", []), what)
+        if version == 1 and "logical" in ucl:
+            raise SchemaError(f"{what}: a version 1 step document has no attributes.ucl.logical (its records are "
+                              "in the array documents)", file=what)
         arrays: dict[str, ArrayMeta] = {}
         for key, node in doc["consolidated_metadata"]["metadata"].items():
             names.from_key(key)  # every path must be a canonical escape: nothing may leave the step
@@ -393,7 +527,21 @@ class StepMeta:
                 meta = ArrayMeta.from_dict(node, f"{what}: {key}")
                 if meta.key != key:
                     raise InconsistentMetadataError(f"{what}: array at {key!r} names itself {meta.name!r}", tensor=meta.name, file=what)
+                if version >= 2 and meta.logical is not None:
+                    raise SchemaError(f"{what}: {key}: the array document of a version {version} step holds no "
+                                      "logical record (it is in the step document's attributes.ucl.logical)",
+                                      tensor=meta.name, file=what)
                 arrays[meta.name] = meta
+        logical = ucl.get("logical")
+        logical_from = None
+        if logical is not None and "from" in logical:
+            logical_from = logical["from"]
+            if ucl["kind"] != "delta" or logical_from >= ucl["step"]:
+                raise InconsistentMetadataError(
+                    f"{what}: logical records taken from step {logical_from}: only a delta step takes them, "
+                    "from an earlier step of its chain", file=what)
+        elif logical is not None:
+            arrays = unpack_logical(logical, arrays, what)
         referenced = set(structure.iter_tree_tensors(ucl["tree"], what))
         replayed = _replayed(ucl, referenced, arrays, what)
         if not referenced - replayed <= set(arrays):
@@ -402,7 +550,26 @@ class StepMeta:
         if ucl["kind"] == "delta" and ucl.get("parent") is None:
             raise InconsistentMetadataError(f"{what}: a delta step must name its parent", file=what)
         return cls(step=ucl["step"], kind=ucl["kind"], tree=ucl["tree"], arrays=arrays, parent=ucl.get("parent"),
-                   layout=ucl.get("layout"), mesh=ucl.get("mesh"), extensions=tuple(ucl.get("extensions", ())))
+                   layout=ucl.get("layout"), mesh=ucl.get("mesh"), extensions=tuple(ucl.get("extensions", ())),
+                   logical_from=logical_from, format_version=version)
+
+    def with_records_of(self, source: StepMeta, what: str) -> StepMeta:
+        """This step with the logical records of ``source``, the step its ``logical_from`` names
+        (spec/layout.md §6.9): each array takes the record of the array of the same name in ``source``.
+        ``source`` must be that step and hold its records itself."""
+        if source.step != self.logical_from:
+            raise ValueError(f"the records of step {self.step} are those of step {self.logical_from}, "
+                             f"not {source.step}")
+        if source.logical_from is not None:
+            raise InconsistentMetadataError(
+                f"{what}: takes its logical records from step {source.step}, which takes its own from step "
+                f"{source.logical_from}: a step names the step that holds them", file=what)
+        arrays = {}
+        for n, a in self.arrays.items():
+            src = source.arrays.get(n)
+            rec = src.logical if src is not None and src.logical else None
+            arrays[n] = replace(a, logical=rec) if rec is not None else a
+        return replace(self, arrays=arrays)
 
 
 def _replayed(ucl: dict[str, Any], referenced: set[str], arrays: dict[str, ArrayMeta], what: str) -> set[str]:

@@ -22,6 +22,7 @@ from ucl.errors import (
     CheckpointNotFoundError,
     ChecksumError,
     CorruptCommitRecordError,
+    DeltaChainError,
     InconsistentMetadataError,
     InvalidArgumentError,
     LimitExceededError,
@@ -179,4 +180,24 @@ class Repository:
 
             raise InconsistentMetadataError(f"{what} disagrees with the commit record of step {step} "
                                             "(step, kind or parent)", file=what)
+        if meta.logical_from is not None:
+            meta = meta.with_records_of(self._records_source(step, meta.logical_from, what), what)
         return meta
+
+    def _records_source(self, step: int, source: int, what: str) -> StepMeta:
+        """The step whose logical records step ``step`` takes (spec/layout.md §6.9): committed, or
+        ``broken_chain`` (retention keeps it: it is an ancestor; a validator checks that it is)."""
+        try:
+            record = self.commit_record(source)
+        except CheckpointNotFoundError as e:
+            raise DeltaChainError(f"{what} takes its logical records from step {source}, which is not committed "
+                                  f"({e.message})", file=what) from None
+        except CorruptCommitRecordError as e:
+            raise DeltaChainError(f"{what} takes its logical records from step {source}, whose commit record is "
+                                  f"unreadable ({e.message})", file=what) from None
+        raw = self.read_verified(source, "zarr.json", record)
+        swhat = f"{self.url}/{step_prefix(source)}/zarr.json"
+        src = StepMeta.from_dict(metadata.loads(raw, swhat), swhat)
+        if src.step != source:
+            raise InconsistentMetadataError(f"{swhat} names step {src.step}", file=swhat)
+        return src

@@ -12,7 +12,7 @@ import itertools
 import logging
 import math
 import struct
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ucl.delta import codec as delta_codec
@@ -241,7 +241,14 @@ def _check_array_doc(repo: Repository, step: int, record: CommitRecord, meta: St
     raw = repo.read_verified(step, rel, record)
     what = f"{repo.url}/{step_prefix(step)}/{rel}"
     doc = metadata.loads(raw, what)
-    if ArrayMeta.from_dict(doc, what) != arr:
+    on_disk = ArrayMeta.from_dict(doc, what)
+    if meta.format_version >= 2:  # its record is in the step document (spec/layout.md §6.3)
+        if on_disk.logical is not None:
+            raise SchemaError(f"{what}: the array document of a version {meta.format_version} step holds no logical "
+                              "record (it is in the step document's attributes.ucl.logical)", tensor=arr.name,
+                              file=what)
+        arr = replace(arr, logical=None)
+    if on_disk != arr:
         raise InconsistentMetadataError(f"{what} differs from the step's consolidated metadata", tensor=arr.name,
                                         file=what)
 
@@ -398,7 +405,29 @@ def _parent_problems(repo: Repository, step: int, record: CommitRecord, meta: St
 
 
 def _check_chain(repo: Repository, step: int, meta: StepMeta, report: Report) -> None:
-    """Delta steps: the chain must resolve and every base must be sound (spec/delta.md §7)."""
+    """Delta steps: the chain must resolve and every base must be sound (spec/delta.md §7); the step
+    whose logical records it takes is an ancestor (spec/layout.md §6.9)."""
 
     for e in validate_chain(repo, step, meta):
         report.add(e, step)
+    if meta.logical_from is not None:
+        e = _records_source_problem(repo, meta)
+        if e is not None:
+            report.add(e, step)
+
+
+def _records_source_problem(repo: Repository, meta: StepMeta) -> DeltaChainError | None:
+    """``broken_chain`` unless the step ``meta.logical_from`` names is an ancestor of ``meta``'s step (so
+    that retention, which keeps a delta step's chain, keeps it too); the walk reads commit records only."""
+    source, cur, seen = meta.logical_from, meta.parent, 0
+    while cur is not None and cur > source and seen <= DEFAULT_MAX_CHAIN:
+        try:
+            cur = repo.commit_record(cur).parent
+        except UCLError as e:
+            return DeltaChainError(f"step {meta.step} takes its logical records from step {source}; its chain "
+                                   f"cannot be followed to it: [{e.code}] {e.message}", file=e.file)
+        seen += 1
+    if cur != source:
+        return DeltaChainError(f"step {meta.step} takes its logical records from step {source}, which is not an "
+                               "ancestor of it (a step of its delta chain)", file=f"{step_prefix(meta.step)}/zarr.json")
+    return None
