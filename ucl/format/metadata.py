@@ -460,8 +460,8 @@ class StepMeta:
     layout: dict[str, Any] | None = None
     mesh: dict[str, Any] | None = None
     extensions: tuple[dict[str, Any], ...] = ()
-    #: The step whose logical records this step's arrays have (a delta step's ancestor; spec/layout.md
-    #: §6.9): written as ``{"from": S}`` instead of the records. Read: the records are S's, resolved by
+    #: A delta step whose arrays have its parent's logical records (spec/layout.md §6.9): the parent,
+    #: written as ``{"from": P}`` instead of the records. Read: resolved by
     #: :meth:`ucl.format.repository.Repository.step_meta` (``arrays`` then hold them).
     logical_from: int | None = None
     format_version: int = FORMAT_VERSION
@@ -508,8 +508,8 @@ class StepMeta:
     @classmethod
     def from_dict(cls, doc: Any, what: str) -> StepMeta:
         """A step document of version 1 or 2. A version 2 step whose records are another step's
-        (``logical: {"from": S}``) comes back with ``logical_from`` set and no records in its arrays:
-        :meth:`with_records_of` gives them (Repository.step_meta does)."""
+        (``logical: {"from": P}``) comes back with ``logical_from`` set and no records in its arrays:
+        :meth:`with_records` gives them (Repository.step_meta does)."""
         version = _format_version(doc)
         if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
             raise UnsupportedVersionError(f"{what}: format version {version}; this reader knows up to {FORMAT_VERSION}", file=what)
@@ -536,10 +536,10 @@ class StepMeta:
         logical_from = None
         if logical is not None and "from" in logical:
             logical_from = logical["from"]
-            if ucl["kind"] != "delta" or logical_from >= ucl["step"]:
+            if ucl["kind"] != "delta" or logical_from != ucl.get("parent"):
                 raise InconsistentMetadataError(
-                    f"{what}: logical records taken from step {logical_from}: only a delta step takes them, "
-                    "from an earlier step of its chain", file=what)
+                    f"{what}: takes its logical records from step {logical_from}: only a delta step takes "
+                    "them, from its parent", file=what)
         elif logical is not None:
             arrays = unpack_logical(logical, arrays, what)
         referenced = set(structure.iter_tree_tensors(ucl["tree"], what))
@@ -553,22 +553,10 @@ class StepMeta:
                    layout=ucl.get("layout"), mesh=ucl.get("mesh"), extensions=tuple(ucl.get("extensions", ())),
                    logical_from=logical_from, format_version=version)
 
-    def with_records_of(self, source: StepMeta, what: str) -> StepMeta:
-        """This step with the logical records of ``source``, the step its ``logical_from`` names
-        (spec/layout.md §6.9): each array takes the record of the array of the same name in ``source``.
-        ``source`` must be that step and hold its records itself."""
-        if source.step != self.logical_from:
-            raise ValueError(f"the records of step {self.step} are those of step {self.logical_from}, "
-                             f"not {source.step}")
-        if source.logical_from is not None:
-            raise InconsistentMetadataError(
-                f"{what}: takes its logical records from step {source.step}, which takes its own from step "
-                f"{source.logical_from}: a step names the step that holds them", file=what)
-        arrays = {}
-        for n, a in self.arrays.items():
-            src = source.arrays.get(n)
-            rec = src.logical if src is not None and src.logical else None
-            arrays[n] = replace(a, logical=rec) if rec is not None else a
+    def with_records(self, records: dict[str, Any]) -> StepMeta:
+        """This step with the logical records of the step its ``logical_from`` names (spec/layout.md
+        §6.9), ``records`` (array name -> record): each array takes the record of the same name."""
+        arrays = {n: replace(a, logical=records[n]) if n in records else a for n, a in self.arrays.items()}
         return replace(self, arrays=arrays)
 
 

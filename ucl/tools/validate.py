@@ -405,29 +405,7 @@ def _parent_problems(repo: Repository, step: int, record: CommitRecord, meta: St
 
 
 def _check_chain(repo: Repository, step: int, meta: StepMeta, report: Report) -> None:
-    """Delta steps: the chain must resolve and every base must be sound (spec/delta.md §7); the step
-    whose logical records it takes is an ancestor (spec/layout.md §6.9)."""
+    """Delta steps: the chain must resolve and every base must be sound (spec/delta.md §7)."""
 
     for e in validate_chain(repo, step, meta):
         report.add(e, step)
-    if meta.logical_from is not None:
-        e = _records_source_problem(repo, meta)
-        if e is not None:
-            report.add(e, step)
-
-
-def _records_source_problem(repo: Repository, meta: StepMeta) -> DeltaChainError | None:
-    """``broken_chain`` unless the step ``meta.logical_from`` names is an ancestor of ``meta``'s step (so
-    that retention, which keeps a delta step's chain, keeps it too); the walk reads commit records only."""
-    source, cur, seen = meta.logical_from, meta.parent, 0
-    while cur is not None and cur > source and seen <= DEFAULT_MAX_CHAIN:
-        try:
-            cur = repo.commit_record(cur).parent
-        except UCLError as e:
-            return DeltaChainError(f"step {meta.step} takes its logical records from step {source}; its chain "
-                                   f"cannot be followed to it: [{e.code}] {e.message}", file=e.file)
-        seen += 1
-    if cur != source:
-        return DeltaChainError(f"step {meta.step} takes its logical records from step {source}, which is not an "
-                               "ancestor of it (a step of its delta chain)", file=f"{step_prefix(meta.step)}/zarr.json")
-    return None
