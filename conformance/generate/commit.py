@@ -122,7 +122,7 @@ def build(root: Path, cases: Cases) -> None:
 
     fx = "invalid/commit/unsupported_version"
     f, st = tiny(root, fx)
-    f.edit_commit(1, lambda d: d.__setitem__("ucl_commit", 2))
+    f.edit_commit(1, lambda d: d.__setitem__("ucl_commit", 3))
     cases.invalid("a commit record of a newer format version", S_EXT, fx, "unsupported_version")
     cases.error(
         "a step committed by a newer version does not open",

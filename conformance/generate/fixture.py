@@ -113,7 +113,14 @@ class Fx:
         return json.loads(self.read(rel))
 
     def commit_doc(self, step: int) -> dict[str, Any]:
-        return self.read_json(f"commits/{step}.json")  # type: ignore[no-any-return]
+        """The commit record in version 1 form (``files`` keyed by whole paths), which every reader of
+        version 2 reads too: edits address files by path. A record written grouped (version 2,
+        spec/core.md §7) is flattened; an edited record is written back in version 1 form."""
+        doc: dict[str, Any] = self.read_json(f"commits/{step}.json")
+        if doc.get("ucl_commit") == 2 and isinstance(doc.get("files"), dict):
+            doc["ucl_commit"] = 1
+            doc["files"] = {f"{p}/{r}" if p else r: v for p, group in doc["files"].items() for r, v in group.items()}
+        return doc
 
     def edit_commit(self, step: int, fn: Callable[[dict[str, Any]], Any]) -> None:
         """Change the commit record and recompute its checksum."""

@@ -32,6 +32,7 @@ from ucl.io import native as _native
 FORMAT_VERSION = 2  # what a step document is written as (spec/core.md §9 item 5); 1 still reads
 STEP_FORMAT_VERSIONS = (1, 2)  # the step document versions this reader implements
 REPO_FORMAT_VERSION = 1  # the repository document's: its form did not change in version 2
+COMMIT_VERSION = 2  # a commit record's ucl_commit as written (files grouped by array); 1 still reads
 MAX_DOC_BYTES = 256 << 20
 MAX_JSON_DEPTH = 128  # spec/core.md §8.4: a step document's deepest legitimate value is at depth 100
 MAX_ELEMENTS = 1 << 62
@@ -598,10 +599,20 @@ class CommitRecord:
     files: dict[str, tuple[int, int]]  # path relative to steps/<step>/ -> (size, crc32c)
     parent: int | None = None
     time: str = field(default_factory=now)
+    #: 2 writes ``files`` grouped by directory prefix (spec/core.md §7); 1 (read) lists each path whole
+    version: int = field(default=COMMIT_VERSION, compare=False)
 
     def _body(self) -> dict[str, Any]:
-        return {"ucl_commit": 1, "step": self.step, "kind": self.kind, "parent": self.parent, "time": self.time,
-                "files": {k: [s, c] for k, (s, c) in sorted(self.files.items())}}
+        files: Any
+        if self.version == 1:
+            files = {k: [s, c] for k, (s, c) in sorted(self.files.items())}
+        else:
+            files = {}
+            for k, (s, c) in sorted(self.files.items()):
+                prefix, rest = _split_path(k)
+                files.setdefault(prefix, {})[rest] = [s, c]
+        return {"ucl_commit": self.version, "step": self.step, "kind": self.kind, "parent": self.parent,
+                "time": self.time, "files": files}
 
     def to_bytes(self) -> bytes:
         body = self._body()
@@ -617,9 +628,9 @@ class CommitRecord:
         try:
             doc = loads(data, what)
             version = doc.get("ucl_commit") if isinstance(doc, dict) else None
-            if type(version) is int and version > 1:
-                raise UnsupportedVersionError(f"commit record {what} has version {version}; this reader knows 1",
-                                              file=what)
+            if type(version) is int and version > COMMIT_VERSION:
+                raise UnsupportedVersionError(f"commit record {what} has version {version}; this reader knows "
+                                              f"up to {COMMIT_VERSION}", file=what)
             check_schema(doc, "commit", what)
         except (SchemaError, LimitExceededError) as e:
             raise CorruptCommitRecordError(f"commit record {what} is unreadable: {e.message}", file=what) from None
@@ -634,10 +645,29 @@ class CommitRecord:
         check_extensions(doc.get("extensions", []), what)
         if step is not None and doc["step"] != step:
             raise CorruptCommitRecordError(f"commit record {what} is for step {doc['step']}, not {step}", file=what)
-        files = {}
-        for k, (size, crc) in doc["files"].items():
+        if doc["ucl_commit"] == 1:
+            listed = ((k, v) for k, v in doc["files"].items())
+        else:
+            listed = ((f"{p}/{r}" if p else r, v) for p, group in doc["files"].items() for r, v in group.items())
+        files: dict[str, tuple[int, int]] = {}
+        for k, (size, crc) in listed:
             for seg in k.split("/"):
                 if seg in ("", ".", "..") or "\\" in seg or "\x00" in seg:
                     raise InvalidNameError(f"commit record {what} lists a file {k[:200]!r} outside its step", file=what)
+            if k in files:
+                raise CorruptCommitRecordError(f"commit record {what} lists {k[:200]!r} twice", file=what)
             files[k] = (size, crc)
-        return cls(step=doc["step"], kind=doc["kind"], files=files, parent=doc.get("parent"), time=doc["time"])
+        return cls(step=doc["step"], kind=doc["kind"], files=files, parent=doc.get("parent"), time=doc["time"],
+                   version=doc["ucl_commit"])
+
+
+def _split_path(rel: str) -> tuple[str, str]:
+    """(group, rest) of a step's file as a version 2 commit record lists it: an array's files under its
+    key (the part before ``/c/``, ``/c`` or ``/zarr.json``), the step document under ""."""
+    for sep in ("/c/", "/zarr.json"):
+        i = rel.find(sep)
+        if i > 0:
+            return rel[:i], rel[i + 1:]
+    if rel.endswith("/c"):
+        return rel[:-2], "c"
+    return "", rel
