@@ -185,6 +185,10 @@ def test_delta_steps_take_their_parents_records(tmp_path: Path) -> None:
     extra = len(b',"delta":{"mode":"unchanged","base_step":1}') + len(b'"ucl.delta","configuration":{"encoding":'
                                                                       b'"xor","base_step":1}')
     assert len(docs[2]) <= len(docs[1]) - records + len(b'"from":1') + len(b'"delta","parent":1') + extra
+    # a delta array has no document of its own (no Zarr reader can read it); the record lists the step's
+    assert not (tmp_path / "steps/2/w/zarr.json").exists()
+    assert set(Repository.open(tmp_path).commit_record(2).files) == {"zarr.json"}
+    assert (tmp_path / "steps/1/w/zarr.json").exists()
     for s in (1, 2, 3, 4):
         with ucl.open(tmp_path, s) as ckpt:
             assert ckpt.meta.arrays["w"].logical == W

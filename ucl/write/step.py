@@ -63,8 +63,8 @@ class DocumentCache:
 
 
 def step_documents(meta: StepMeta, cache: DocumentCache | None = None) -> dict[str, bytes]:
-    """A step's documents (relative path -> bytes): one per group and array node, then the step's own
-    ``zarr.json`` with every node consolidated. The same bytes as ``metadata.dumps`` of
+    """A step's documents (relative path -> bytes): one per group and array node (but delta arrays),
+    then the step's own ``zarr.json`` with every node consolidated. The same bytes as ``metadata.dumps`` of
     ``meta.to_dict()`` and of each of its nodes; the array nodes come serialized from ``cache`` and are
     spliced into the step document (compact JSON: a node's text is the same standalone and nested)."""
     cache = cache or DocumentCache()
@@ -84,7 +84,10 @@ def step_documents(meta: StepMeta, cache: DocumentCache | None = None) -> dict[s
     elif nodes:
         body = b",".join(json.dumps(k).encode() + b":" + v for k, v in nodes.items())
         top = top[: -len(_EMPTY_TAIL)] + b'"metadata":{' + body + b"}}}"
-    docs = {f"{rel}/zarr.json": data for rel, data in nodes.items()}
+    # a delta array has no document of its own (spec/delta.md §3.2): no Zarr reader could read it (its
+    # ucl.delta codec is must-understand), and ucl reads the consolidated copy
+    deltas = {a.key for a in meta.arrays.values() if a.delta is not None}
+    docs = {f"{rel}/zarr.json": data for rel, data in nodes.items() if rel not in deltas}
     docs["zarr.json"] = top
     return docs
 
