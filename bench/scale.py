@@ -141,8 +141,8 @@ def ucl_case(layers: int, world: int, reps: int) -> dict[str, Any]:
     # the next step, a delta of it with every shape kept (as a manager writes it: its parent's logical
     # records by reference, spec/layout.md §6.9), every array changed: every shard rewritten as a delta
     darrays = {n: delta_array(a, True, 1) for n, a in plan.arrays.items()}
-    dmeta = StepMeta(step=2, kind="delta", parent=1, tree={}, arrays=darrays, layout=plan.layout, mesh=plan.mesh,
-                     logical_from=1)
+    dmeta = StepMeta(step=2, kind="delta", parent=1, tree={}, arrays=darrays, layout=plan.layout,
+                     mesh=plan.mesh, logical_from=1)
     ddocs = step_documents(dmeta)
     dfiles = {k: v for k, v in files.items() if not k.endswith("zarr.json")}
     dfiles.update({k: (len(v), 0xDEADBEEF) for k, v in ddocs.items()})
@@ -159,8 +159,12 @@ def dcp_case(layers: int, world: int, reps: int) -> dict[str, Any]:
     import torch
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import StorageMeta
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+    )
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
     from ucl.format import dtypes

@@ -119,7 +119,8 @@ class Fx:
         doc: dict[str, Any] = self.read_json(f"commits/{step}.json")
         if doc.get("ucl_commit") == 2 and isinstance(doc.get("files"), dict):
             doc["ucl_commit"] = 1
-            doc["files"] = {f"{p}/{r}" if p else r: v for p, group in doc["files"].items() for r, v in group.items()}
+            doc["files"] = {f"{p}/{r}" if p else r: v
+                            for p, group in doc["files"].items() for r, v in group.items()}
         return doc
 
     def edit_commit(self, step: int, fn: Callable[[dict[str, Any]], Any]) -> None:

@@ -25,7 +25,8 @@ TREE = {"t": "dict", "items": [["w", {"t": "tensor", "name": "w"}]]}
 W = {"tensors": {"w": {"shape": [10], "dtype": "float32"}},
      "maps": [{"tensor": "w", "box": [[0], [3]], "at": [0]}, {"tensor": "w", "box": [[3], [2]], "at": [3]},
               {"tensor": "w", "box": [[5], [3]], "at": [6]}, {"tensor": "w", "box": [[8], [2]], "at": [9]}]}
-BLOCKED = ArrayMeta(name="w", shape=(12,), dtype="float32", chunk_shape=(3,), inner_chunk_shape=(3,), logical=W)
+BLOCKED = ArrayMeta(name="w", shape=(12,), dtype="float32", chunk_shape=(3,), inner_chunk_shape=(3,),
+                    logical=W)
 
 
 # -- records: packed and unpacked -------------------------------------------------------------------
@@ -65,8 +66,8 @@ def steps(draw: Any) -> StepMeta:
         dtype = draw(st.sampled_from(["float32", "bfloat16"]))
         rec = draw(st.one_of(st.none(), record(dtype)))
         name = f"x/a{i}"
-        arrays[name] = ArrayMeta(name=name, shape=(64,), dtype=dtype, chunk_shape=(8,), inner_chunk_shape=(8,),
-                                 logical=rec)
+        arrays[name] = ArrayMeta(name=name, shape=(64,), dtype=dtype, chunk_shape=(8,),
+                                 inner_chunk_shape=(8,), logical=rec)
     return StepMeta(step=5, kind="full", tree={"t": "dict", "items": []}, arrays=arrays)
 
 
@@ -98,11 +99,14 @@ def test_documents_are_compact() -> None:
 
 
 def test_tensors_are_listed_once_and_views_are_short() -> None:
-    flat = ArrayMeta(name="f", shape=(100,), dtype="float32", chunk_shape=(50,), inner_chunk_shape=(50,), logical={
+    kw: dict[str, Any] = {"shape": (100,), "dtype": "float32", "chunk_shape": (50,),
+                          "inner_chunk_shape": (50,)}
+    flat = ArrayMeta(name="f", **kw, logical={
         "tensors": {"w": {"shape": [10], "dtype": "float32"}, "u": {"shape": [4, 2], "dtype": "float32"}},
         "maps": [{"tensor": "w", "box": [[0], [10]], "at": [0], "view": {"offset": 0, "shape": [10]}},
-                 {"tensor": "u", "box": [[0, 0], [4, 2]], "at": [0, 0], "view": {"offset": 10, "shape": [4, 2]}}]})
-    other = ArrayMeta(name="g", shape=(100,), dtype="float32", chunk_shape=(50,), inner_chunk_shape=(50,), logical={
+                 {"tensor": "u", "box": [[0, 0], [4, 2]], "at": [0, 0],
+                  "view": {"offset": 10, "shape": [4, 2]}}]})
+    other = ArrayMeta(name="g", **kw, logical={
         "tensors": {"w": {"shape": [10], "dtype": "float32"}},
         "maps": [{"tensor": "w", "box": [[0], [10]], "at": [0], "view": {"offset": 50, "shape": [10]}}]})
     packed = metadata.pack_logical({"f": flat, "g": other})
@@ -135,7 +139,8 @@ def _doc(logical: Any, **ucl_attrs: Any) -> dict[str, Any]:
     ({"tensors": [["w", [10]]], "records": {}}, {"format_version": 1}, SchemaError,
      "a version 1 step document has no attributes.ucl.logical"),
 ])
-def test_bad_records_are_named(logical: Any, attrs: dict[str, Any], error: type[UCLError], words: str) -> None:
+def test_bad_records_are_named(logical: Any, attrs: dict[str, Any], error: type[UCLError],
+                               words: str) -> None:
     with pytest.raises(error, match=words.replace("(", r"\(").replace("[", r"\[")):
         StepMeta.from_dict(_doc(logical, **attrs), "doc")
 
@@ -172,8 +177,8 @@ def _chain(path: Path, deltas: int) -> None:
     _commit(path, StepMeta(step=1, kind="full", tree=TREE, arrays={"w": BLOCKED}), _blocks())
     for s in range(2, 2 + deltas):
         arrays = {"w": delta_array(BLOCKED, False, s - 1)}
-        _commit(path, StepMeta(step=s, kind="delta", parent=s - 1, tree=TREE, arrays=arrays, logical_from=s - 1),
-                {})
+        meta = StepMeta(step=s, kind="delta", parent=s - 1, tree=TREE, arrays=arrays, logical_from=s - 1)
+        _commit(path, meta, {})
 
 
 def test_delta_steps_take_their_parents_records(tmp_path: Path) -> None:
@@ -182,8 +187,8 @@ def test_delta_steps_take_their_parents_records(tmp_path: Path) -> None:
     assert json.loads(docs[3])["attributes"]["ucl"]["logical"] == {"from": 2}
     records = len(metadata.dumps(json.loads(docs[1])["attributes"]["ucl"]["logical"]))
     # the delta step's document: the full one's, less its records, plus the delta record and codec
-    extra = len(b',"delta":{"mode":"unchanged","base_step":1}') + len(b'"ucl.delta","configuration":{"encoding":'
-                                                                      b'"xor","base_step":1}')
+    extra = (len(b',"delta":{"mode":"unchanged","base_step":1}')
+             + len(b'"ucl.delta","configuration":{"encoding":"xor","base_step":1}'))
     assert len(docs[2]) <= len(docs[1]) - records + len(b'"from":1') + len(b'"delta","parent":1') + extra
     # a delta array has no document of its own (no Zarr reader can read it); the record lists the step's
     assert not (tmp_path / "steps/2/w/zarr.json").exists()
@@ -204,8 +209,39 @@ def test_a_missing_referent_is_broken_chain(tmp_path: Path) -> None:
     the step whose records could not be found, for open and for the validator."""
     _chain(tmp_path, 2)
     (tmp_path / "commits/1.json").unlink()
-    with pytest.raises(DeltaChainError, match="step 2 takes its logical records from step 1, which is not committed"):
+    with pytest.raises(DeltaChainError,
+                       match="step 2 takes its logical records from step 1, which is not committed"):
         Repository.open(tmp_path).step_meta(3)
     report = ucl.validate(tmp_path)
     assert not report.ok
     assert {(p.step, p.code) for p in report.problems} >= {(2, "broken_chain"), (3, "broken_chain")}
+
+
+# -- commit records: version 2 groups files by array, version 1 still reads ---------------------------
+FILES = {"zarr.json": (900, 1), "w/zarr.json": (600, 2), "w/c/0": (40, 3), "w/c/1": (40, 4), "s/c": (8, 5),
+         "a/c/b/zarr.json": (500, 6), "a/c/b/c/0/0": (64, 7), "optim/zarr.json": (60, 8)}
+
+
+def test_commit_records_group_files_by_array() -> None:
+    rec = metadata.CommitRecord(step=3, kind="full", files=FILES)
+    doc = json.loads(rec.to_bytes())
+    assert doc["ucl_commit"] == 2
+    assert doc["files"][""] == {"zarr.json": [900, 1]}
+    assert doc["files"]["w"] == {"c/0": [40, 3], "c/1": [40, 4], "zarr.json": [600, 2]}
+    assert doc["files"]["s"] == {"c": [8, 5]}
+    back = metadata.CommitRecord.from_bytes(rec.to_bytes(), "rec", 3)
+    assert back == rec and back.files == FILES and back.version == 2
+    v1 = metadata.CommitRecord(step=3, kind="full", files=FILES, time=rec.time, version=1)
+    assert json.loads(v1.to_bytes())["files"]["w/c/0"] == [40, 3]
+    assert metadata.CommitRecord.from_bytes(v1.to_bytes(), "rec", 3).files == FILES
+
+
+def test_a_path_listed_twice_is_a_corrupt_record() -> None:
+    from ucl.errors import CorruptCommitRecordError
+    from ucl.io import native
+
+    body = {"ucl_commit": 2, "step": 3, "kind": "full", "parent": None, "time": "2026-01-01T00:00:00.000000Z",
+            "files": {"w": {"c/0": [40, 3]}, "": {"w/c/0": [40, 3]}}}
+    body["checksum"] = native.crc32c(metadata.canonical(body))
+    with pytest.raises(CorruptCommitRecordError, match="lists 'w/c/0' twice"):
+        metadata.CommitRecord.from_bytes(metadata.dumps(body), "rec", 3)

@@ -149,7 +149,8 @@ def now() -> str:
 
 # -- the repository --------------------------------------------------------------------------------
 def repo_doc() -> dict[str, Any]:
-    return {"zarr_format": 3, "node_type": "group", "attributes": {"ucl": {"format_version": REPO_FORMAT_VERSION}}}
+    return {"zarr_format": 3, "node_type": "group",
+            "attributes": {"ucl": {"format_version": REPO_FORMAT_VERSION}}}
 
 
 def _format_version(doc: Any) -> Any:
@@ -358,8 +359,9 @@ def pack_logical(arrays: dict[str, ArrayMeta]) -> dict[str, Any] | None:
             index[name] = t = len(table)
             table.append([name, list(shape)])
         elif table[t][1] != list(shape):
-            raise InconsistentMetadataError(f"the records of step arrays disagree on the shape of tensor {name!r}: "
-                                            f"{table[t][1]} and {list(shape)} (in {arr.name!r})", tensor=name)
+            raise InconsistentMetadataError(f"the records of step arrays disagree on the shape of tensor "
+                                            f"{name!r}: {table[t][1]} and {list(shape)} (in {arr.name!r})",
+                                            tensor=name)
         return t
 
     for a in arrays.values():
@@ -369,8 +371,8 @@ def pack_logical(arrays: dict[str, ArrayMeta]) -> dict[str, Any] | None:
         tensors = rec["tensors"]
         for name, t in tensors.items():
             if t["dtype"] != a.dtype:
-                raise InconsistentMetadataError(f"array {a.name!r} of data type {a.dtype} records tensor {name!r} "
-                                                f"as {t['dtype']}", tensor=a.name)
+                raise InconsistentMetadataError(f"array {a.name!r} of data type {a.dtype} records tensor "
+                                                f"{name!r} as {t['dtype']}", tensor=a.name)
         maps: list[list[Any]] = []
         mapped: set[str] = set()
         for m in rec["maps"]:
@@ -409,13 +411,13 @@ def unpack_logical(doc: dict[str, Any], arrays: dict[str, ArrayMeta], what: str)
     for aname, rec in doc["records"].items():
         arr = arrays.get(aname)
         if arr is None:
-            raise InconsistentMetadataError(f"{what}: attributes.ucl.logical has a record for {aname!r}, which is "
-                                            "no array of the step", tensor=aname, file=what)
+            raise InconsistentMetadataError(f"{what}: attributes.ucl.logical has a record for {aname!r}, "
+                                            "which is no array of the step", tensor=aname, file=what)
 
         def entry(t: int, aname: str = aname) -> tuple[str, list[int]]:
             if t >= len(table):
-                raise InconsistentMetadataError(f"{what}: the logical record of {aname!r} names tensor {t}; the "
-                                                f"step lists {len(table)}", tensor=aname, file=what)
+                raise InconsistentMetadataError(f"{what}: the logical record of {aname!r} names tensor {t}; "
+                                                f"the step lists {len(table)}", tensor=aname, file=what)
             return table[t][0], table[t][1]
 
         tensors: dict[str, Any] = {}
@@ -480,7 +482,8 @@ class StepMeta:
         """The step document, of ``format_version`` 2 (the logical records once, in ``attributes.ucl``)
         or 1 (each array's record in its document, for readers of version 1 only)."""
         if format_version not in STEP_FORMAT_VERSIONS:
-            raise ValueError(f"format version {format_version}: a writer writes one of {STEP_FORMAT_VERSIONS}")
+            raise ValueError(f"format version {format_version}: a writer writes one of "
+                             f"{STEP_FORMAT_VERSIONS}")
         v1 = format_version == 1
         nodes: dict[str, Any] = {}
         for a in self.arrays.values():
@@ -519,8 +522,8 @@ class StepMeta:
         version = ucl["format_version"]
         check_extensions(ucl.get("extensions", []), what)
         if version == 1 and "logical" in ucl:
-            raise SchemaError(f"{what}: a version 1 step document has no attributes.ucl.logical (its records are "
-                              "in the array documents)", file=what)
+            raise SchemaError(f"{what}: a version 1 step document has no attributes.ucl.logical (its records "
+                              "are in the array documents)", file=what)
         arrays: dict[str, ArrayMeta] = {}
         for key, node in doc["consolidated_metadata"]["metadata"].items():
             names.from_key(key)  # every path must be a canonical escape: nothing may leave the step
@@ -529,8 +532,9 @@ class StepMeta:
                 if meta.key != key:
                     raise InconsistentMetadataError(f"{what}: array at {key!r} names itself {meta.name!r}", tensor=meta.name, file=what)
                 if version >= 2 and meta.logical is not None:
-                    raise SchemaError(f"{what}: {key}: the array document of a version {version} step holds no "
-                                      "logical record (it is in the step document's attributes.ucl.logical)",
+                    raise SchemaError(f"{what}: {key}: the array document of a version {version} step holds "
+                                      "no logical record (it is in the step document's "
+                                      "attributes.ucl.logical)",
                                       tensor=meta.name, file=what)
                 arrays[meta.name] = meta
         logical = ucl.get("logical")
@@ -551,8 +555,9 @@ class StepMeta:
         if ucl["kind"] == "delta" and ucl.get("parent") is None:
             raise InconsistentMetadataError(f"{what}: a delta step must name its parent", file=what)
         return cls(step=ucl["step"], kind=ucl["kind"], tree=ucl["tree"], arrays=arrays, parent=ucl.get("parent"),
-                   layout=ucl.get("layout"), mesh=ucl.get("mesh"), extensions=tuple(ucl.get("extensions", ())),
-                   logical_from=logical_from, format_version=version)
+                   layout=ucl.get("layout"), mesh=ucl.get("mesh"),
+                   extensions=tuple(ucl.get("extensions", ())), logical_from=logical_from,
+                   format_version=version)
 
     def with_records(self, records: dict[str, Any]) -> StepMeta:
         """This step with the logical records of the step its ``logical_from`` names (spec/layout.md
@@ -629,8 +634,8 @@ class CommitRecord:
             doc = loads(data, what)
             version = doc.get("ucl_commit") if isinstance(doc, dict) else None
             if type(version) is int and version > COMMIT_VERSION:
-                raise UnsupportedVersionError(f"commit record {what} has version {version}; this reader knows "
-                                              f"up to {COMMIT_VERSION}", file=what)
+                raise UnsupportedVersionError(f"commit record {what} has version {version}; this reader "
+                                              f"knows up to {COMMIT_VERSION}", file=what)
             check_schema(doc, "commit", what)
         except (SchemaError, LimitExceededError) as e:
             raise CorruptCommitRecordError(f"commit record {what} is unreadable: {e.message}", file=what) from None
@@ -648,7 +653,8 @@ class CommitRecord:
         if doc["ucl_commit"] == 1:
             listed = ((k, v) for k, v in doc["files"].items())
         else:
-            listed = ((f"{p}/{r}" if p else r, v) for p, group in doc["files"].items() for r, v in group.items())
+            listed = ((f"{p}/{r}" if p else r, v)
+                      for p, group in doc["files"].items() for r, v in group.items())
         files: dict[str, tuple[int, int]] = {}
         for k, (size, crc) in listed:
             for seg in k.split("/"):
@@ -657,8 +663,8 @@ class CommitRecord:
             if k in files:
                 raise CorruptCommitRecordError(f"commit record {what} lists {k[:200]!r} twice", file=what)
             files[k] = (size, crc)
-        return cls(step=doc["step"], kind=doc["kind"], files=files, parent=doc.get("parent"), time=doc["time"],
-                   version=doc["ucl_commit"])
+        return cls(step=doc["step"], kind=doc["kind"], files=files, parent=doc.get("parent"),
+                   time=doc["time"], version=doc["ucl_commit"])
 
 
 def _split_path(rel: str) -> tuple[str, str]:

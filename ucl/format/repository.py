@@ -212,7 +212,8 @@ class Repository:
                 record = self.commit_record(cur)
             except (CheckpointNotFoundError, CorruptCommitRecordError) as e:
                 raise DeltaChainError(f"step {below} takes its logical records from step {cur}, which is not "
-                                      f"committed: {e.message}", file=f"{step_prefix(below)}/zarr.json") from None
+                                      f"committed: {e.message}",
+                                      file=f"{step_prefix(below)}/zarr.json") from None
             key = (cur, record.files.get("zarr.json"))
             records = self._records_cache.get(key)
             if records is not None:

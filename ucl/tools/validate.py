@@ -245,9 +245,9 @@ def _check_array_doc(repo: Repository, step: int, record: CommitRecord, meta: St
     on_disk = ArrayMeta.from_dict(doc, what)
     if meta.format_version >= 2:  # its record is in the step document (spec/layout.md §6.3)
         if on_disk.logical is not None:
-            raise SchemaError(f"{what}: the array document of a version {meta.format_version} step holds no logical "
-                              "record (it is in the step document's attributes.ucl.logical)", tensor=arr.name,
-                              file=what)
+            raise SchemaError(f"{what}: the array document of a version {meta.format_version} step holds no "
+                              "logical record (it is in the step document's attributes.ucl.logical)",
+                              tensor=arr.name, file=what)
         arr = replace(arr, logical=None)
     if on_disk != arr:
         raise InconsistentMetadataError(f"{what} differs from the step's consolidated metadata", tensor=arr.name,
