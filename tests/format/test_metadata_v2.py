@@ -245,3 +245,21 @@ def test_a_path_listed_twice_is_a_corrupt_record() -> None:
     body["checksum"] = native.crc32c(metadata.canonical(body))
     with pytest.raises(CorruptCommitRecordError, match="lists 'w/c/0' twice"):
         metadata.CommitRecord.from_bytes(metadata.dumps(body), "rec", 3)
+
+
+def test_compacting_a_step_of_the_chain_keeps_its_children_readable(tmp_path: Path) -> None:
+    """Step 2 (records from 1) rewritten full writes its records inline; step 3 (records from 2) reads
+    them there, and retention keeping only step 3 keeps its chain (step 2), drops step 1, and the
+    repository is still valid."""
+    from ucl.tools.compact import compact
+    from ucl.write.retention import Retention
+
+    _chain(tmp_path, 2)
+    compact(tmp_path, 2)
+    doc = json.loads((tmp_path / "steps/2/zarr.json").read_bytes())["attributes"]["ucl"]
+    assert doc["kind"] == "full" and doc["logical"]["records"]
+    Retention(Repository.open(tmp_path), keep_last=1, keep_every=None).retain(3)  # keeps 3 and its chain
+    assert Repository.open(tmp_path).steps() == [2, 3]
+    with ucl.open(tmp_path, 3) as ckpt:
+        assert ckpt.meta.arrays["w"].logical == W and torch.equal(ckpt["w"][:], W_DATA)
+    assert ucl.validate(tmp_path).ok
