@@ -183,7 +183,9 @@ def dimension_names(name: str, ndim: int) -> list[str]:
 
     xarray needs them to open a group of arrays, and takes a name shared by two arrays as one dimension
     (both arrays must then agree on its size); tensor names are unique in a step, so these never clash.
-    Readers ignore them: documents without them (older steps) read the same.
+    Readers ignore them: documents without them (older steps) read the same. A delta array has none:
+    no Zarr reader opens it (its ucl.delta codec), and ``ucl.zarr_store`` names the dimensions of the
+    tensors it serves itself.
     """
     return [f"{name}/dim{i}" for i in range(ndim)]
 
@@ -254,7 +256,7 @@ class ArrayMeta:
             attrs["logical"] = self.logical
         if self.delta is not None:
             attrs["delta"] = self.delta
-        return {
+        doc: dict[str, Any] = {
             "zarr_format": 3,
             "node_type": "array",
             "shape": list(self.shape),
@@ -274,8 +276,10 @@ class ArrayMeta:
                 }
             ],
             "attributes": {"ucl": attrs},
-            "dimension_names": dimension_names(self.name, len(self.shape)),
         }
+        if self.delta is None:  # a delta array no Zarr reader opens (xarray included): no names
+            doc["dimension_names"] = dimension_names(self.name, len(self.shape))
+        return doc
 
     @classmethod
     def from_dict(cls, doc: Any, what: str) -> ArrayMeta:
