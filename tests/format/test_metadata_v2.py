@@ -4,6 +4,7 @@ step document, a delta step taking its parent's records (spec/layout.md §6.9); 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -110,8 +111,11 @@ def test_tensors_are_listed_once_and_views_are_short() -> None:
         "tensors": {"w": {"shape": [10], "dtype": "float32"}},
         "maps": [{"tensor": "w", "box": [[0], [10]], "at": [0], "view": {"offset": 50, "shape": [10]}}]})
     packed = metadata.pack_logical({"f": flat, "g": other})
+    bare = {"f": replace(flat, logical=None), "g": replace(other, logical=None)}
+    back = metadata.unpack_logical(packed, bare, "x")
+    assert back["f"].logical == flat.logical and back["g"].logical == other.logical
     assert packed == {"tensors": [["w", [10]], ["u", [4, 2]]],
-                      "records": {"f": {"maps": [[0, [0], [10], 0], [1, [0, 0], [4, 2], 10]]},
+                      "records": {"f": {"maps": [[0, [0], [10], 0], [1, [0, 0], [4, 2]]]},  # u follows w
                                   "g": {"maps": [[0, [0], [10], 50]]}}}
 
 
@@ -134,6 +138,10 @@ def _doc(logical: Any, **ucl_attrs: Any) -> dict[str, Any]:
      SchemaError, "step.schema.json"),
     ({"tensors": [["w", [10]]], "records": {"w": {"maps": [[0, [0], [3], 4, 5, [3]]]}}}, {},
      SchemaError, "step.schema.json"),
+    ({"tensors": [["w", [10]]], "records": {"w": {"maps": [[0, [0], [3]]]}}}, {},
+     InconsistentMetadataError, "continues the previous map's view, and the previous map has none"),
+    ({"tensors": [["w", [10]]], "records": {"w": {"maps": [[0, [0], [3], [0]], [0, [3], [2]]]}}}, {},
+     InconsistentMetadataError, "continues the previous map's view"),
     ({"from": 1}, {}, InconsistentMetadataError, "only a delta step takes them, from its parent"),
     ({"from": 0}, {"kind": "delta", "parent": 1}, InconsistentMetadataError, "from its parent"),
     ({"tensors": [["w", [10]]], "records": {}}, {"format_version": 1}, SchemaError,

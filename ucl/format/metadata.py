@@ -351,7 +351,8 @@ def pack_logical(arrays: dict[str, ArrayMeta]) -> dict[str, Any] | None:
     """The step document's ``attributes.ucl.logical`` (spec/layout.md §6.3): every logical tensor that a
     record maps once, ``[name, shape]`` (its dtype is that of the arrays holding it), and each array's
     record as a list of maps ``[t, start, shape, at]`` (``t`` the tensor's index), a view map
-    ``[t, start, shape, offset]`` (``at`` zero, the view the box's shape) or ``[t, start, shape, at,
+    ``[t, start, shape, offset]`` (``at`` zero, the view the box's shape; ``[t, start, shape]`` when the
+    view starts where the previous map's ends: a flat buffer's members) or ``[t, start, shape, at,
     offset, view shape]``. None when no array has a record. The inverse of :func:`unpack_logical`."""
     index: dict[str, int] = {}
     table: list[list[Any]] = []
@@ -379,6 +380,7 @@ def pack_logical(arrays: dict[str, ArrayMeta]) -> dict[str, Any] | None:
                                                 f"{name!r} as {t['dtype']}", tensor=a.name)
         maps: list[list[Any]] = []
         mapped: set[str] = set()
+        end = None  # where the previous map's view ends (None: it had none)
         for m in rec["maps"]:
             name = m["tensor"]
             mapped.add(name)
@@ -388,9 +390,10 @@ def pack_logical(arrays: dict[str, ArrayMeta]) -> dict[str, Any] | None:
             if view is None:
                 maps.append([t, start, shape, m["at"]])
             elif view["shape"] == shape and not any(m["at"]):
-                maps.append([t, start, shape, view["offset"]])
+                maps.append([t, start, shape] if view["offset"] == end else [t, start, shape, view["offset"]])
             else:
                 maps.append([t, start, shape, m["at"], view["offset"], view["shape"]])
+            end = None if view is None else view["offset"] + math.prod(view["shape"])
         out: dict[str, Any] = {"maps": maps}
         unmapped = [tensor(n, t["shape"], a) for n, t in tensors.items() if n not in mapped]
         if unmapped:
@@ -426,19 +429,26 @@ def unpack_logical(doc: dict[str, Any], arrays: dict[str, ArrayMeta], what: str)
 
         tensors: dict[str, Any] = {}
         maps: list[dict[str, Any]] = []
+        end: int | None = None  # where the previous map's view ends
         for m in rec["maps"]:
             name, tshape = entry(m[0])
             if name not in tensors:
                 tensors[name] = {"shape": tshape, "dtype": arr.dtype}
             start, shape = m[1], m[2]
-            if len(m) == 4 and type(m[3]) is int:
-                maps.append({"tensor": name, "box": [start, shape], "at": [0] * len(shape),
-                             "view": {"offset": m[3], "shape": shape}})
+            if len(m) == 3 or type(m[3]) is int:  # a view of the box's shape, at zero
+                if len(m) == 3 and end is None:
+                    raise InconsistentMetadataError(
+                        f"{what}: map {len(maps)} of the logical record of {aname!r} continues the previous "
+                        "map's view, and the previous map has none", tensor=aname, file=what)
+                view = {"offset": end if len(m) == 3 else m[3], "shape": shape}
+                maps.append({"tensor": name, "box": [start, shape], "at": [0] * len(shape), "view": view})
             elif len(m) == 4:
+                view = None
                 maps.append({"tensor": name, "box": [start, shape], "at": m[3]})
             else:
-                maps.append({"tensor": name, "box": [start, shape], "at": m[3],
-                             "view": {"offset": m[4], "shape": m[5]}})
+                view = {"offset": m[4], "shape": m[5]}
+                maps.append({"tensor": name, "box": [start, shape], "at": m[3], "view": view})
+            end = None if view is None else view["offset"] + math.prod(view["shape"])
         for t in rec.get("unmapped", ()):
             name, tshape = entry(t)
             tensors.setdefault(name, {"shape": tshape, "dtype": arr.dtype})
