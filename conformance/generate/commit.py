@@ -42,7 +42,7 @@ def build(root: Path, cases: Cases) -> None:
     fx = "invalid/commit/bit_flip_in_commit_record"
     f, st = tiny(root, fx)
     raw = f.read("commits/1.json")
-    f.flip("commits/1.json", raw.index(b'"time": "2026') + 12, 0x01)  # a digit of the commit time
+    f.flip("commits/1.json", raw.index(b'"2026', raw.index(b'"time":')) + 4, 0x01)  # a digit of the time
     cases.invalid("one flipped bit in a commit record", S_COMMIT, fx, "corrupt_commit_record")
     cases.error(
         "a damaged commit record does not open",

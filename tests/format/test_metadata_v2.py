@@ -173,20 +173,20 @@ def _blocks() -> dict[tuple[int, ...], torch.Tensor]:
     return out
 
 
-def _commit(path: Path, meta: StepMeta, data: dict[tuple[int, ...], torch.Tensor]) -> None:
+def _commit(path: Path, meta: StepMeta, data: dict[tuple[int, ...], torch.Tensor], version: int = 2) -> None:
     repo = Repository.open(path, create=True)
-    with StepWriter(repo, meta.step) as w:
+    with StepWriter(repo, meta.step, format_version=version) as w:
         w.begin()
         files = dict(w.write_shard(meta.arrays["w"], c, t) for c, t in data.items())
         w.commit(meta, files)
 
 
-def _chain(path: Path, deltas: int) -> None:
-    _commit(path, StepMeta(step=1, kind="full", tree=TREE, arrays={"w": BLOCKED}), _blocks())
+def _chain(path: Path, deltas: int, version: int = 2) -> None:
+    _commit(path, StepMeta(step=1, kind="full", tree=TREE, arrays={"w": BLOCKED}), _blocks(), version)
     for s in range(2, 2 + deltas):
         arrays = {"w": delta_array(BLOCKED, False, s - 1)}
         meta = StepMeta(step=s, kind="delta", parent=s - 1, tree=TREE, arrays=arrays, logical_from=s - 1)
-        _commit(path, meta, {})
+        _commit(path, meta, {}, version)
 
 
 def test_delta_steps_take_their_parents_records(tmp_path: Path) -> None:
@@ -271,3 +271,26 @@ def test_compacting_a_step_of_the_chain_keeps_its_children_readable(tmp_path: Pa
     with ucl.open(tmp_path, 3) as ckpt:
         assert ckpt.meta.arrays["w"].logical == W and torch.equal(ckpt["w"][:], W_DATA)
     assert ucl.validate(tmp_path).ok
+
+
+def test_a_writer_of_version_1_writes_what_version_1_readers_read(tmp_path: Path) -> None:
+    """format_version=1 (WriteOptions, StepWriter): records in the array documents, a document for the
+    delta array, whole paths in the commit record; read and validated the same."""
+    from ucl.options import WriteOptions
+
+    _chain(tmp_path, 1, version=1)
+    step1, step2 = (json.loads((tmp_path / f"steps/{s}/zarr.json").read_bytes()) for s in (1, 2))
+    assert step1["attributes"]["ucl"]["format_version"] == 1 and "logical" not in step1["attributes"]["ucl"]
+    assert json.loads((tmp_path / "steps/1/w/zarr.json").read_bytes())["attributes"]["ucl"]["logical"] == W
+    assert (tmp_path / "steps/2/w/zarr.json").exists()
+    record = json.loads((tmp_path / "commits/1.json").read_bytes())
+    assert record["ucl_commit"] == 1 and "w/c/0" in record["files"]
+    for s in (1, 2):
+        with ucl.open(tmp_path, s) as ckpt:
+            assert ckpt.meta.format_version == 1 and torch.equal(ckpt["w"][:], W_DATA)
+    assert ucl.validate(tmp_path).ok
+    ucl.save({"x": torch.arange(6.0)}, tmp_path / "plain", step=1, options=WriteOptions(format_version=1))
+    assert json.loads((tmp_path / "plain/commits/1.json").read_bytes())["ucl_commit"] == 1
+    assert torch.equal(ucl.load(tmp_path / "plain")["x"], torch.arange(6.0))
+    with pytest.raises(ValueError, match="format_version must be 1 or 2"):
+        WriteOptions(format_version=3)

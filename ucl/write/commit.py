@@ -58,9 +58,10 @@ class StepCommit:
     """
 
     def __init__(self, repo: Repository, dist: Collectives, lock: WriterLock | None,
-                 retention: Retention, commit_threads: int) -> None:
+                 retention: Retention, commit_threads: int, format_version: int = 2) -> None:
         self.repo, self.dist, self.lock, self.retention = repo, dist, lock, retention
         self.commit_threads = commit_threads
+        self.format_version = format_version  # of the steps it commits (WriteOptions.format_version)
         self._documents = DocumentCache()  # arrays' documents serialized before (same plan, same objects)
         # the logical records of the last steps committed (step -> array name -> record): a delta step
         # whose records are its parent's writes {"from": parent} instead (spec/layout.md §6.9)
@@ -117,7 +118,7 @@ class StepCommit:
                 merged.update({k: tuple(v) for k, v in r["files"].items()})  # type: ignore[misc]
             t = clock()
             writer = StepWriter(self.repo, job.step, lock=self.lock, commit_threads=self.commit_threads,
-                                documents=self._documents)
+                                documents=self._documents, format_version=self.format_version)
             meta = self.step_meta(job, reports, base)
             record = writer.commit(meta, merged, documents=job.documents)
             self._remember(meta)

@@ -62,11 +62,19 @@ class DocumentCache:
         return data
 
 
-def step_documents(meta: StepMeta, cache: DocumentCache | None = None) -> dict[str, bytes]:
+def step_documents(meta: StepMeta, cache: DocumentCache | None = None,
+                   format_version: int = metadata.FORMAT_VERSION) -> dict[str, bytes]:
     """A step's documents (relative path -> bytes): one per group and array node (but delta arrays),
     then the step's own ``zarr.json`` with every node consolidated. The same bytes as ``metadata.dumps`` of
     ``meta.to_dict()`` and of each of its nodes; the array nodes come serialized from ``cache`` and are
-    spliced into the step document (compact JSON: a node's text is the same standalone and nested)."""
+    spliced into the step document (compact JSON: a node's text is the same standalone and nested).
+    ``format_version`` 1 writes version 1 documents (spec/core.md §9 item 5), serialized whole."""
+    if format_version == 1:
+        doc = meta.to_dict(format_version=1)
+        out = {f"{rel}/zarr.json": metadata.dumps(node)
+               for rel, node in doc["consolidated_metadata"]["metadata"].items()}
+        out["zarr.json"] = metadata.dumps(doc)
+        return out
     cache = cache or DocumentCache()
     nodes: dict[str, bytes] = {}
     group = _group_document()
@@ -112,8 +120,10 @@ class StepWriter:
     """
 
     def __init__(self, repo: Repository, step: int, *, lock: WriterLock | None = None,
-                 commit_threads: int = 16, documents: DocumentCache | None = None) -> None:
+                 commit_threads: int = 16, documents: DocumentCache | None = None,
+                 format_version: int = metadata.FORMAT_VERSION) -> None:
         self.repo = repo
+        self.format_version = format_version  # of the documents and the commit record written
         self.documents = documents  # a long-lived writer's serialized array documents
         self.store: Store = repo.store
         self.step = check_step(step)
@@ -170,7 +180,7 @@ class StepWriter:
 
     def documents_of(self, meta: StepMeta) -> dict[str, bytes]:
         """The step's documents (path relative to the step -> bytes), :func:`step_documents`."""
-        return step_documents(meta, self.documents)
+        return step_documents(meta, self.documents, self.format_version)
 
     def commit(self, meta: StepMeta, files: Mapping[str, FileEntry],
                documents: Mapping[str, FileEntry] | None = None) -> CommitRecord:
@@ -194,7 +204,8 @@ class StepWriter:
         entries = dict(files)
         if documents is not None:
             entries.update(documents)
-            record = CommitRecord(step=self.step, kind=meta.kind, parent=meta.parent, files=entries)
+            record = CommitRecord(step=self.step, kind=meta.kind, parent=meta.parent, files=entries,
+                                  version=1 if self.format_version == 1 else metadata.COMMIT_VERSION)
             self.store.write_atomic(commit_key(self.step), record.to_bytes())
             return record
         docs = self.documents_of(meta)
@@ -216,7 +227,8 @@ class StepWriter:
             with ThreadPoolExecutor(self.commit_threads, thread_name_prefix="ucl-commit") as pool:
                 entries.update(pool.map(
                     lambda kv: (kv[0], self.store.write(f"{self.prefix}/{kv[0]}", [kv[1]])), docs.items()))
-        record = CommitRecord(step=self.step, kind=meta.kind, parent=meta.parent, files=entries)
+        record = CommitRecord(step=self.step, kind=meta.kind, parent=meta.parent, files=entries,
+                              version=1 if self.format_version == 1 else metadata.COMMIT_VERSION)
         self.store.write_atomic(commit_key(self.step), record.to_bytes())
         return record
 
