@@ -108,11 +108,21 @@ class WriteOptions:
     staging_threads
         Threads of a manager that touch its staging memory's fresh pages in the background, while
         training runs (:mod:`ucl.write.staging`; two fault pages in ~1.7x faster than one here).
+    format_version
+        The format version of the steps :func:`ucl.save` and :func:`ucl.save_sharded` write: 2, or 1
+        for readers of version 1 only (spec/core.md §9 item 5: each logical record in its array's
+        document, a document for every delta array, the commit record's files by whole path), and
+        so does a :class:`ucl.CheckpointManager` given these options.
     """
 
     inner_chunk_bytes: int = 4 << 20
     commit_threads: int = 16
     staging_threads: int = 2
+    format_version: int = 2
+
+    def __post_init__(self) -> None:
+        if self.format_version not in (1, 2):
+            raise ValueError(f"format_version must be 1 or 2, got {self.format_version!r}")
 
 
 DEFAULT_WRITE = WriteOptions()

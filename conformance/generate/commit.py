@@ -42,7 +42,7 @@ def build(root: Path, cases: Cases) -> None:
     fx = "invalid/commit/bit_flip_in_commit_record"
     f, st = tiny(root, fx)
     raw = f.read("commits/1.json")
-    f.flip("commits/1.json", raw.index(b'"time": "2026') + 12, 0x01)  # a digit of the commit time
+    f.flip("commits/1.json", raw.index(b'"2026', raw.index(b'"time":')) + 4, 0x01)  # a digit of the time
     cases.invalid("one flipped bit in a commit record", S_COMMIT, fx, "corrupt_commit_record")
     cases.error(
         "a damaged commit record does not open",
@@ -122,7 +122,7 @@ def build(root: Path, cases: Cases) -> None:
 
     fx = "invalid/commit/unsupported_version"
     f, st = tiny(root, fx)
-    f.edit_commit(1, lambda d: d.__setitem__("ucl_commit", 2))
+    f.edit_commit(1, lambda d: d.__setitem__("ucl_commit", 3))
     cases.invalid("a commit record of a newer format version", S_EXT, fx, "unsupported_version")
     cases.error(
         "a step committed by a newer version does not open",

@@ -36,7 +36,7 @@ from ucl.write.manager import CheckpointManager
 from ucl.write.policy import DeltaPolicy
 from ucl.write.step import StepWriter
 
-from .fixture import Fx, random_tensor
+from .fixture import V1, Fx, random_tensor
 from .suite import Cases
 
 S_RECORD = "delta.md §3.2 The array's delta record"
@@ -70,7 +70,7 @@ def write_step(f: Fx, step: int, parent: int | None, arrays: list[Entry]) -> Non
     (each shard encoded against the base tensor; a shard whose inner chunks all equal the base's is not
     written). Its kind is ``delta`` when ``parent`` is given."""
     repo = Repository.open(f.path, create=True)
-    w = StepWriter(repo, step)
+    w = StepWriter(repo, step, format_version=1)
     w.begin()
     files = {}
     for meta, t, base in arrays:
@@ -155,7 +155,7 @@ def engine_chain(root: Path, cases: Cases) -> None:
         "noise": random_tensor((16,), torch.float32, 2102),
     }
     ref: dict[int, dict[str, torch.Tensor]] = {}
-    with CheckpointManager(f.path, delta=DeltaPolicy(base="previous", full_every=None)) as mgr:
+    with CheckpointManager(f.path, delta=DeltaPolicy(base="previous", full_every=None), options=V1) as mgr:
         for s in range(1, 5):
             ref[s] = {k: v.clone() for k, v in state.items()}
             mgr.save(s, state)

@@ -166,7 +166,7 @@ def documents(root: Path, cases: Cases) -> None:
     f = Fx(root, fx)
     f.save(tiny_state(1210), 1)
     f.save(tiny_state(1211), 2)
-    f.edit_commit(2, lambda d: d.__setitem__("ucl_commit", 2))
+    f.edit_commit(2, lambda d: d.__setitem__("ucl_commit", 3))
     cases.invalid("the newest record is of a newer version", "core.md §7 item 5", fx, "unsupported_version")
     cases.valid("a record of a newer version does not list its step", "core.md §7 item 6", fx, "list_steps",
                 steps=[1])
@@ -204,11 +204,11 @@ def precedence(root: Path, cases: Cases) -> None:
     f, st = tiny(root, fx)
 
     def newer(d: dict[str, Any]) -> None:
-        d["attributes"]["ucl"]["format_version"] = 2
+        d["attributes"]["ucl"]["format_version"] = 3
         del d["attributes"]["ucl"]["tree"]
 
     f.edit_step_doc(1, newer)
-    cases.invalid("a step document of version 2 without a tree: the version is checked first",
+    cases.invalid("a step document of version 3 without a tree: the version is checked first",
                   "core.md §10.2 item 3", fx, "unsupported_version")
     cases.error("and it does not open, for the same reason", "core.md §10.2 item 3", fx, "open",
                 "unsupported_version", {"step": 1})
@@ -228,11 +228,11 @@ def precedence(root: Path, cases: Cases) -> None:
     f, st = tiny(root, fx)
 
     def newer_record(d: dict[str, Any]) -> None:
-        d["ucl_commit"] = 2
+        d["ucl_commit"] = 3
         d["shards_v2"] = {}
 
     f.edit_commit(1, newer_record)
-    cases.invalid("a commit record of version 2 with a field version 1 does not know",
+    cases.invalid("a commit record of version 3 with a field no version knows",
                   "core.md §7 item 5", fx, "unsupported_version")
 
 

@@ -24,10 +24,14 @@ from ucl.format.metadata import ArrayMeta, StepMeta
 from ucl.format.repository import Repository
 from ucl.format.shardfile import file_digest
 from ucl.io import native as _native
+from ucl.options import WriteOptions
 from ucl.plan.save import all_shards, array_for, shard_block
 from ucl.write.step import StepWriter
 
 FIXED_TIME = "2026-01-01T00:00:00.000000Z"
+#: The fixtures are steps of format version 1 (spec/core.md §9 item 5): every reader of version 2 reads
+#: them, and so does a Level-0 implementation of version 1 (conformance/independent)
+V1 = WriteOptions(format_version=1)
 ZSTD = {"name": "zstd", "configuration": {"level": 1, "checksum": False}}
 EMPTY64 = (1 << 64) - 1
 
@@ -49,6 +53,16 @@ def crc(data: bytes) -> int:
     return _native.crc32c(data)
 
 
+def sub_json(raw: bytes, old: bytes, new: bytes) -> bytes:
+    """``raw`` with the first ``old`` replaced by ``new``, ``old`` matched as written with spaces after
+    ``:`` and ``,`` (documents edited here) or without (documents as ucl writes them: compact); a
+    pattern found in neither form stops the generator (a silent no-op would commit a wrong fixture)."""
+    for form in (old, old.replace(b'": ', b'":').replace(b", ", b",")):
+        if form in raw:
+            return raw.replace(form, new, 1)
+    raise SystemExit(f"the pattern {old!r} is not in the document")
+
+
 def seal_commit(doc: dict[str, Any]) -> bytes:
     body = {k: v for k, v in doc.items() if k != "checksum"}
     doc = {**body, "checksum": crc(metadata.canonical(body))}
@@ -67,7 +81,7 @@ class Fx:
 
     # -- writing ---------------------------------------------------------------------------------
     def save(self, state: dict[str, Any], step: int, compression: str | None = None) -> None:
-        ucl.save(state, self.path, step=step, compression=compression)
+        ucl.save(state, self.path, step=step, compression=compression, options=V1)
         self.fix_time(step)
 
     def write(
@@ -80,7 +94,7 @@ class Fx:
         """A step of arrays with chosen chunk grids, written shard by shard as ranks would."""
         arrays = list(arrays)
         repo = Repository.open(self.path, create=True)
-        w = StepWriter(repo, step)
+        w = StepWriter(repo, step, format_version=1)
         w.begin()
         files = {}
         for meta, t in arrays:
@@ -113,7 +127,15 @@ class Fx:
         return json.loads(self.read(rel))
 
     def commit_doc(self, step: int) -> dict[str, Any]:
-        return self.read_json(f"commits/{step}.json")  # type: ignore[no-any-return]
+        """The commit record in version 1 form (``files`` keyed by whole paths), which every reader of
+        version 2 reads too: edits address files by path. A record written grouped (version 2,
+        spec/core.md §7) is flattened; an edited record is written back in version 1 form."""
+        doc: dict[str, Any] = self.read_json(f"commits/{step}.json")
+        if doc.get("ucl_commit") == 2 and isinstance(doc.get("files"), dict):
+            doc["ucl_commit"] = 1
+            doc["files"] = {f"{p}/{r}" if p else r: v
+                            for p, group in doc["files"].items() for r, v in group.items()}
+        return doc
 
     def edit_commit(self, step: int, fn: Callable[[dict[str, Any]], Any]) -> None:
         """Change the commit record and recompute its checksum."""

@@ -22,7 +22,7 @@ from ucl.format import structure
 from ucl.write.manager import CheckpointManager
 from ucl.write.policy import DeltaPolicy
 
-from .fixture import Fx
+from .fixture import V1, Fx
 from .suite import S_COMMIT, S_GRAD, S_GRAD_SEM, S_GRAD_VAL, S_INTEGRITY, Cases, sha
 
 SOURCE = "valid/gradient_records"
@@ -61,7 +61,7 @@ def gradient_run(path: Path, steps: int = 3) -> dict[int, dict[str, torch.Tensor
     opt = torch.optim.AdamW(groups, lr=0.01, weight_decay=0.1, foreach=False)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     ref: dict[int, dict[str, torch.Tensor]] = {}
-    with CheckpointManager(path, delta=DeltaPolicy(gradients=True)) as mgr:
+    with CheckpointManager(path, delta=DeltaPolicy(gradients=True), options=V1) as mgr:
         for t in range(1, steps + 1):
             for i, p in enumerate(model.parameters()):
                 p.grad = None if (t, i) == (3, 1) else dyadic(tuple(p.shape), 1910 + 10 * t + i, 128)

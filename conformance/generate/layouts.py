@@ -26,7 +26,7 @@ import ucl
 from ucl.layout import parse_layout, parse_mesh
 from ucl.testing.layout_reference import shard_local_state
 
-from .fixture import Fx
+from .fixture import V1, Fx
 from .suite import Cases, sha
 
 S_RECORD = "layout.md §6.3 The logical record"
@@ -69,7 +69,7 @@ def save_layout(
         adjust(states)
     for s in states:
         s.update(extra or {})
-    ucl.save_sharded(states, fx.path, 1, layout=layout, mesh=m)
+    ucl.save_sharded(states, fx.path, 1, layout=layout, mesh=m, options=V1)
     fx.fix_time(1)
 
 

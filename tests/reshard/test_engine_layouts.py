@@ -4,7 +4,9 @@ one way and load another in place, and delta steps of a layout save read back lo
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -83,3 +85,22 @@ def test_delta_steps_under_a_layout(tmp_path: Any, ref: dict[str, Any]) -> None:
         got = ckpt.load(flat=True)
     assert all(torch.equal(got[n], t) for n, t in want.items())
     assert ucl.validate(path).ok
+
+
+def test_delta_step_under_a_layout_refers_to_its_parents_records(tmp_path: Any, ref: dict[str, Any]) -> None:
+    """A delta step whose arrays keep their layout writes ``logical: {"from": parent}``, not the records
+    again (spec/layout.md §6.9): its step document is smaller than the parent's by the records' size,
+    and it reads the same records."""
+
+    dist.run(2, "tests.reshard.cases:delta_steps", {"root": str(tmp_path), "ref": ref["path"]})
+    path = os.path.join(tmp_path, "delta")
+    docs = {s: Path(path, "steps", str(s), "zarr.json").read_bytes() for s in (2, 3)}
+    full, delta = (json.loads(docs[s])["attributes"]["ucl"] for s in (2, 3))
+    assert delta["logical"] == {"from": 2} and full["logical"]["records"]
+    size = {s: len(json.dumps(u, separators=(",", ":"))) for s, u in ((2, full), (3, delta))}
+    records = len(json.dumps(full["logical"], separators=(",", ":")))
+    assert records > 1000 and size[3] <= size[2] - records + len('{"from":2}') + len('"delta","parent":2')
+    assert b'"logical"' not in docs[3].split(b'"consolidated_metadata"')[1]  # no array node carries one
+    with ucl.open(path, 2) as a, ucl.open(path, 3) as b:
+        records = [{n: m.logical for n, m in c.meta.arrays.items()} for c in (a, b)]
+        assert records[0] == records[1]

@@ -28,10 +28,12 @@ from ucl.write.step import DocumentCache, step_documents
 
 
 def slow_documents(meta: StepMeta) -> dict[str, bytes]:
-    """What StepWriter wrote before the cache: metadata.dumps of each node, then of the step document."""
+    """What StepWriter wrote before the cache: metadata.dumps of each node (but a delta array's: it has
+    no document, spec/delta.md §3.2), then of the step document."""
     doc = meta.to_dict()
     nodes = doc["consolidated_metadata"]["metadata"]
-    out = {f"{rel}/zarr.json": metadata.dumps(node) for rel, node in nodes.items()}
+    out = {f"{rel}/zarr.json": metadata.dumps(node) for rel, node in nodes.items()
+           if "delta" not in node["attributes"].get("ucl", {})}
     out["zarr.json"] = metadata.dumps(doc)
     return out
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from functools import cache
 from pathlib import Path
@@ -29,7 +29,10 @@ from ucl.format import dtypes, names, structure
 from ucl.format.records import DeltaRecord, GradientRecords, choose_encoding, parse_codec
 from ucl.io import native as _native
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what a step document is written as (spec/core.md §9 item 5); 1 still reads
+STEP_FORMAT_VERSIONS = (1, 2)  # the step document versions this reader implements
+REPO_FORMAT_VERSION = 1  # the repository document's: its form did not change in version 2
+COMMIT_VERSION = 2  # a commit record's ucl_commit as written (files grouped by array); 1 still reads
 MAX_DOC_BYTES = 256 << 20
 MAX_JSON_DEPTH = 128  # spec/core.md §8.4: a step document's deepest legitimate value is at depth 100
 MAX_ELEMENTS = 1 << 62
@@ -62,7 +65,9 @@ def loads(data: bytes, what: str) -> Any:
 
 
 def dumps(doc: Any) -> bytes:
-    return json.dumps(doc, indent=1, sort_keys=False, allow_nan=False).encode()
+    """A document as written: compact (no whitespace; spec/core.md §3.4 makes indentation no part of the
+    format, and a large step's documents are half whitespace when indented)."""
+    return json.dumps(doc, separators=(",", ":"), sort_keys=False, allow_nan=False).encode()
 
 
 def canonical(doc: Any) -> bytes:
@@ -144,7 +149,8 @@ def now() -> str:
 
 # -- the repository --------------------------------------------------------------------------------
 def repo_doc() -> dict[str, Any]:
-    return {"zarr_format": 3, "node_type": "group", "attributes": {"ucl": {"format_version": FORMAT_VERSION}}}
+    return {"zarr_format": 3, "node_type": "group",
+            "attributes": {"ucl": {"format_version": REPO_FORMAT_VERSION}}}
 
 
 def _format_version(doc: Any) -> Any:
@@ -159,8 +165,9 @@ def _format_version(doc: Any) -> Any:
 def parse_repo(data: bytes, what: str = "zarr.json") -> dict[str, Any]:
     doc = loads(data, what)
     version = _format_version(doc)
-    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
-        raise UnsupportedVersionError(f"{what}: format version {version}; this reader knows up to {FORMAT_VERSION}", file=what)
+    if isinstance(version, int) and not isinstance(version, bool) and version > REPO_FORMAT_VERSION:
+        raise UnsupportedVersionError(f"{what}: format version {version}; this reader knows up to "
+                                      f"{REPO_FORMAT_VERSION}", file=what)
     check_schema(doc, "repository", what)
     check_extensions(doc["attributes"]["ucl"].get("extensions", []), what)
     return doc
@@ -176,7 +183,9 @@ def dimension_names(name: str, ndim: int) -> list[str]:
 
     xarray needs them to open a group of arrays, and takes a name shared by two arrays as one dimension
     (both arrays must then agree on its size); tensor names are unique in a step, so these never clash.
-    Readers ignore them: documents without them (older steps) read the same.
+    Readers ignore them: documents without them (older steps) read the same. A delta array has none:
+    no Zarr reader opens it (its ucl.delta codec), and ``ucl.zarr_store`` names the dimensions of the
+    tensors it serves itself.
     """
     return [f"{name}/dim{i}" for i in range(ndim)]
 
@@ -239,13 +248,15 @@ class ArrayMeta:
         first = _BYTES_LE if self.itemsize > 1 else {"name": "bytes"}
         return [first, *([self.compression] if self.compression else []), _CRC]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, with_logical: bool = False) -> dict[str, Any]:
+        """The array document. Its logical record is kept in the step document (format version 2,
+        :func:`pack_logical`); ``with_logical`` writes it in the document, as version 1 did."""
         attrs: dict[str, Any] = {"name": self.name}
-        if self.logical is not None:
+        if with_logical and self.logical is not None:
             attrs["logical"] = self.logical
         if self.delta is not None:
             attrs["delta"] = self.delta
-        return {
+        doc: dict[str, Any] = {
             "zarr_format": 3,
             "node_type": "array",
             "shape": list(self.shape),
@@ -265,8 +276,10 @@ class ArrayMeta:
                 }
             ],
             "attributes": {"ucl": attrs},
-            "dimension_names": dimension_names(self.name, len(self.shape)),
         }
+        if self.delta is None:  # a delta array no Zarr reader opens (xarray included): no names
+            doc["dimension_names"] = dimension_names(self.name, len(self.shape))
+        return doc
 
     @classmethod
     def from_dict(cls, doc: Any, what: str) -> ArrayMeta:
@@ -333,6 +346,120 @@ class ArrayMeta:
                    compression=compression, delta=delta, logical=logical)
 
 
+# -- logical records, once per step (format version 2) --------------------------------------------
+def pack_logical(arrays: dict[str, ArrayMeta]) -> dict[str, Any] | None:
+    """The step document's ``attributes.ucl.logical`` (spec/layout.md §6.3): every logical tensor that a
+    record maps once, ``[name, shape]`` (its dtype is that of the arrays holding it), and each array's
+    record as a list of maps ``[t, start, shape, at]`` (``t`` the tensor's index), a view map
+    ``[t, start, shape, offset]`` (``at`` zero, the view the box's shape; ``[t, start, shape]`` when the
+    view starts where the previous map's ends: a flat buffer's members) or ``[t, start, shape, at,
+    offset, view shape]``. None when no array has a record. The inverse of :func:`unpack_logical`."""
+    index: dict[str, int] = {}
+    table: list[list[Any]] = []
+    records: dict[str, Any] = {}
+
+    def tensor(name: str, shape: list[int], arr: ArrayMeta) -> int:
+        t = index.get(name)
+        if t is None:
+            index[name] = t = len(table)
+            table.append([name, list(shape)])
+        elif table[t][1] != list(shape):
+            raise InconsistentMetadataError(f"the records of step arrays disagree on the shape of tensor "
+                                            f"{name!r}: {table[t][1]} and {list(shape)} (in {arr.name!r})",
+                                            tensor=name)
+        return t
+
+    for a in arrays.values():
+        rec = a.logical
+        if not rec:
+            continue
+        tensors = rec["tensors"]
+        for name, t in tensors.items():
+            if t["dtype"] != a.dtype:
+                raise InconsistentMetadataError(f"array {a.name!r} of data type {a.dtype} records tensor "
+                                                f"{name!r} as {t['dtype']}", tensor=a.name)
+        maps: list[list[Any]] = []
+        mapped: set[str] = set()
+        end = None  # where the previous map's view ends (None: it had none)
+        for m in rec["maps"]:
+            name = m["tensor"]
+            mapped.add(name)
+            t = tensor(name, tensors[name]["shape"], a)
+            start, shape = m["box"]
+            view = m.get("view")
+            if view is None:
+                maps.append([t, start, shape, m["at"]])
+            elif view["shape"] == shape and not any(m["at"]):
+                maps.append([t, start, shape] if view["offset"] == end else [t, start, shape, view["offset"]])
+            else:
+                maps.append([t, start, shape, m["at"], view["offset"], view["shape"]])
+            end = None if view is None else view["offset"] + math.prod(view["shape"])
+        out: dict[str, Any] = {"maps": maps}
+        unmapped = [tensor(n, t["shape"], a) for n, t in tensors.items() if n not in mapped]
+        if unmapped:
+            out["unmapped"] = unmapped
+        if "partial" in rec:
+            out["partial"] = rec["partial"]
+        records[a.name] = out
+    return {"tensors": table, "records": records} if records else None
+
+
+def unpack_logical(doc: dict[str, Any], arrays: dict[str, ArrayMeta], what: str) -> dict[str, ArrayMeta]:
+    """``arrays`` with the records of a step document's ``attributes.ucl.logical`` (schema-checked), each
+    in the form of an array's record (spec/layout.md §6.3, ``$defs/logical_record``)."""
+    table = doc["tensors"]
+    seen: set[str] = set()
+    for name, _ in table:
+        if name in seen:
+            raise InconsistentMetadataError(f"{what}: attributes.ucl.logical lists tensor {name!r} twice",
+                                            tensor=name, file=what)
+        seen.add(name)
+    out = dict(arrays)
+    for aname, rec in doc["records"].items():
+        arr = arrays.get(aname)
+        if arr is None:
+            raise InconsistentMetadataError(f"{what}: attributes.ucl.logical has a record for {aname!r}, "
+                                            "which is no array of the step", tensor=aname, file=what)
+
+        def entry(t: int, aname: str = aname) -> tuple[str, list[int]]:
+            if t >= len(table):
+                raise InconsistentMetadataError(f"{what}: the logical record of {aname!r} names tensor {t}; "
+                                                f"the step lists {len(table)}", tensor=aname, file=what)
+            return table[t][0], table[t][1]
+
+        tensors: dict[str, Any] = {}
+        maps: list[dict[str, Any]] = []
+        end: int | None = None  # where the previous map's view ends
+        for m in rec["maps"]:
+            name, tshape = entry(m[0])
+            if name not in tensors:
+                tensors[name] = {"shape": tshape, "dtype": arr.dtype}
+            start, shape = m[1], m[2]
+            if len(m) == 3 or type(m[3]) is int:  # a view of the box's shape, at zero
+                if len(m) == 3 and end is None:
+                    raise InconsistentMetadataError(
+                        f"{what}: map {len(maps)} of the logical record of {aname!r} continues the previous "
+                        "map's view, and the previous map has none", tensor=aname, file=what)
+                view = {"offset": end if len(m) == 3 else m[3], "shape": shape}
+                maps.append({"tensor": name, "box": [start, shape], "at": [0] * len(shape), "view": view})
+            elif len(m) == 4:
+                view = None
+                maps.append({"tensor": name, "box": [start, shape], "at": m[3]})
+            else:
+                view = {"offset": m[4], "shape": m[5]}
+                maps.append({"tensor": name, "box": [start, shape], "at": m[3], "view": view})
+            end = None if view is None else view["offset"] + math.prod(view["shape"])
+        for t in rec.get("unmapped", ()):
+            name, tshape = entry(t)
+            tensors.setdefault(name, {"shape": tshape, "dtype": arr.dtype})
+        logical: dict[str, Any] = {"tensors": tensors, "maps": maps}
+        if "partial" in rec:
+            logical["partial"] = rec["partial"]
+        if tensors:
+            out[aname] = replace(arr, logical=logical)
+    return out
+
+
 def _strip(codec: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in codec.items() if k != "must_understand" or v is not False}
 
@@ -350,6 +477,11 @@ class StepMeta:
     layout: dict[str, Any] | None = None
     mesh: dict[str, Any] | None = None
     extensions: tuple[dict[str, Any], ...] = ()
+    #: A delta step whose arrays have its parent's logical records (spec/layout.md §6.9): the parent,
+    #: written as ``{"from": P}`` instead of the records. Read: resolved by
+    #: :meth:`ucl.format.repository.Repository.step_meta` (``arrays`` then hold them).
+    logical_from: int | None = None
+    format_version: int = FORMAT_VERSION
 
     @property
     def gradient_records(self) -> Any:
@@ -360,17 +492,30 @@ class StepMeta:
                 return GradientRecords.from_extension(e)
         return None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, format_version: int = FORMAT_VERSION) -> dict[str, Any]:
+        """The step document, of ``format_version`` 2 (the logical records once, in ``attributes.ucl``)
+        or 1 (each array's record in its document, for readers of version 1 only)."""
+        if format_version not in STEP_FORMAT_VERSIONS:
+            raise ValueError(f"format version {format_version}: a writer writes one of "
+                             f"{STEP_FORMAT_VERSIONS}")
+        v1 = format_version == 1
         nodes: dict[str, Any] = {}
         for a in self.arrays.values():
             parts = a.key.split("/")
             for i in range(1, len(parts)):
                 nodes.setdefault("/".join(parts[:i]), {"zarr_format": 3, "node_type": "group", "attributes": {}})
-            nodes[a.key] = a.to_dict()
-        ucl: dict[str, Any] = {"format_version": FORMAT_VERSION, "step": self.step, "kind": self.kind,
+            nodes[a.key] = a.to_dict(with_logical=v1)
+        ucl: dict[str, Any] = {"format_version": format_version, "step": self.step, "kind": self.kind,
                                "parent": self.parent, "tree": self.tree, "layout": self.layout, "mesh": self.mesh}
         if self.extensions:
             ucl["extensions"] = list(self.extensions)
+        if not v1:
+            if self.logical_from is not None:
+                ucl["logical"] = {"from": self.logical_from}
+            else:
+                packed = pack_logical(self.arrays)
+                if packed is not None:
+                    ucl["logical"] = packed
         return {
             "zarr_format": 3,
             "node_type": "group",
@@ -380,12 +525,19 @@ class StepMeta:
 
     @classmethod
     def from_dict(cls, doc: Any, what: str) -> StepMeta:
+        """A step document of version 1 or 2. A version 2 step whose records are another step's
+        (``logical: {"from": P}``) comes back with ``logical_from`` set and no records in its arrays:
+        :meth:`with_records` gives them (Repository.step_meta does)."""
         version = _format_version(doc)
         if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
             raise UnsupportedVersionError(f"{what}: format version {version}; this reader knows up to {FORMAT_VERSION}", file=what)
         check_schema(doc, "step", what)
         ucl = doc["attributes"]["ucl"]
+        version = ucl["format_version"]
         check_extensions(ucl.get("extensions", []), what)
+        if version == 1 and "logical" in ucl:
+            raise SchemaError(f"{what}: a version 1 step document has no attributes.ucl.logical (its records "
+                              "are in the array documents)", file=what)
         arrays: dict[str, ArrayMeta] = {}
         for key, node in doc["consolidated_metadata"]["metadata"].items():
             names.from_key(key)  # every path must be a canonical escape: nothing may leave the step
@@ -393,7 +545,22 @@ class StepMeta:
                 meta = ArrayMeta.from_dict(node, f"{what}: {key}")
                 if meta.key != key:
                     raise InconsistentMetadataError(f"{what}: array at {key!r} names itself {meta.name!r}", tensor=meta.name, file=what)
+                if version >= 2 and meta.logical is not None:
+                    raise SchemaError(f"{what}: {key}: the array document of a version {version} step holds "
+                                      "no logical record (it is in the step document's "
+                                      "attributes.ucl.logical)",
+                                      tensor=meta.name, file=what)
                 arrays[meta.name] = meta
+        logical = ucl.get("logical")
+        logical_from = None
+        if logical is not None and "from" in logical:
+            logical_from = logical["from"]
+            if ucl["kind"] != "delta" or logical_from != ucl.get("parent"):
+                raise InconsistentMetadataError(
+                    f"{what}: takes its logical records from step {logical_from}: only a delta step takes "
+                    "them, from its parent", file=what)
+        elif logical is not None:
+            arrays = unpack_logical(logical, arrays, what)
         referenced = set(structure.iter_tree_tensors(ucl["tree"], what))
         replayed = _replayed(ucl, referenced, arrays, what)
         if not referenced - replayed <= set(arrays):
@@ -402,7 +569,15 @@ class StepMeta:
         if ucl["kind"] == "delta" and ucl.get("parent") is None:
             raise InconsistentMetadataError(f"{what}: a delta step must name its parent", file=what)
         return cls(step=ucl["step"], kind=ucl["kind"], tree=ucl["tree"], arrays=arrays, parent=ucl.get("parent"),
-                   layout=ucl.get("layout"), mesh=ucl.get("mesh"), extensions=tuple(ucl.get("extensions", ())))
+                   layout=ucl.get("layout"), mesh=ucl.get("mesh"),
+                   extensions=tuple(ucl.get("extensions", ())), logical_from=logical_from,
+                   format_version=version)
+
+    def with_records(self, records: dict[str, Any]) -> StepMeta:
+        """This step with the logical records of the step its ``logical_from`` names (spec/layout.md
+        §6.9), ``records`` (array name -> record): each array takes the record of the same name."""
+        arrays = {n: replace(a, logical=records[n]) if n in records else a for n, a in self.arrays.items()}
+        return replace(self, arrays=arrays)
 
 
 def _replayed(ucl: dict[str, Any], referenced: set[str], arrays: dict[str, ArrayMeta], what: str) -> set[str]:
@@ -443,10 +618,20 @@ class CommitRecord:
     files: dict[str, tuple[int, int]]  # path relative to steps/<step>/ -> (size, crc32c)
     parent: int | None = None
     time: str = field(default_factory=now)
+    #: 2 writes ``files`` grouped by directory prefix (spec/core.md §7); 1 (read) lists each path whole
+    version: int = field(default=COMMIT_VERSION, compare=False)
 
     def _body(self) -> dict[str, Any]:
-        return {"ucl_commit": 1, "step": self.step, "kind": self.kind, "parent": self.parent, "time": self.time,
-                "files": {k: [s, c] for k, (s, c) in sorted(self.files.items())}}
+        files: Any
+        if self.version == 1:
+            files = {k: [s, c] for k, (s, c) in sorted(self.files.items())}
+        else:
+            files = {}
+            for k, (s, c) in sorted(self.files.items()):
+                prefix, rest = _split_path(k)
+                files.setdefault(prefix, {})[rest] = [s, c]
+        return {"ucl_commit": self.version, "step": self.step, "kind": self.kind, "parent": self.parent,
+                "time": self.time, "files": files}
 
     def to_bytes(self) -> bytes:
         body = self._body()
@@ -462,9 +647,9 @@ class CommitRecord:
         try:
             doc = loads(data, what)
             version = doc.get("ucl_commit") if isinstance(doc, dict) else None
-            if type(version) is int and version > 1:
-                raise UnsupportedVersionError(f"commit record {what} has version {version}; this reader knows 1",
-                                              file=what)
+            if type(version) is int and version > COMMIT_VERSION:
+                raise UnsupportedVersionError(f"commit record {what} has version {version}; this reader "
+                                              f"knows up to {COMMIT_VERSION}", file=what)
             check_schema(doc, "commit", what)
         except (SchemaError, LimitExceededError) as e:
             raise CorruptCommitRecordError(f"commit record {what} is unreadable: {e.message}", file=what) from None
@@ -479,10 +664,30 @@ class CommitRecord:
         check_extensions(doc.get("extensions", []), what)
         if step is not None and doc["step"] != step:
             raise CorruptCommitRecordError(f"commit record {what} is for step {doc['step']}, not {step}", file=what)
-        files = {}
-        for k, (size, crc) in doc["files"].items():
+        if doc["ucl_commit"] == 1:
+            listed = ((k, v) for k, v in doc["files"].items())
+        else:
+            listed = ((f"{p}/{r}" if p else r, v)
+                      for p, group in doc["files"].items() for r, v in group.items())
+        files: dict[str, tuple[int, int]] = {}
+        for k, (size, crc) in listed:
             for seg in k.split("/"):
                 if seg in ("", ".", "..") or "\\" in seg or "\x00" in seg:
                     raise InvalidNameError(f"commit record {what} lists a file {k[:200]!r} outside its step", file=what)
+            if k in files:
+                raise CorruptCommitRecordError(f"commit record {what} lists {k[:200]!r} twice", file=what)
             files[k] = (size, crc)
-        return cls(step=doc["step"], kind=doc["kind"], files=files, parent=doc.get("parent"), time=doc["time"])
+        return cls(step=doc["step"], kind=doc["kind"], files=files, parent=doc.get("parent"),
+                   time=doc["time"], version=doc["ucl_commit"])
+
+
+def _split_path(rel: str) -> tuple[str, str]:
+    """(group, rest) of a step's file as a version 2 commit record lists it: an array's files under its
+    key (the part before ``/c/``, ``/c`` or ``/zarr.json``), the step document under ""."""
+    for sep in ("/c/", "/zarr.json"):
+        i = rel.find(sep)
+        if i > 0:
+            return rel[:i], rel[i + 1:]
+    if rel.endswith("/c"):
+        return rel[:-2], "c"
+    return "", rel

@@ -22,6 +22,7 @@ from ucl.errors import (
     CheckpointNotFoundError,
     ChecksumError,
     CorruptCommitRecordError,
+    DeltaChainError,
     InconsistentMetadataError,
     InvalidArgumentError,
     LimitExceededError,
@@ -38,6 +39,9 @@ from ucl.io.stores.base import Store
 
 _COMMIT_NAME = re.compile(r"^(0|[1-9][0-9]{0,18})\.json$")
 MAX_STEP = (1 << 63) - 1
+#: The most step documents read to find a step's logical records (spec/layout.md §6.9; chains are
+#: shorter: spec/delta.md §6.2 item 3).
+MAX_RECORDS_CHAIN = 4096
 
 
 def check_step(step: object) -> int:
@@ -69,6 +73,9 @@ class Repository:
 
     def __init__(self, store: Store) -> None:
         self.store = store
+        # resolved logical records of the steps delta steps took them from: (step, its document's
+        # (size, crc32c) in its commit record) -> array name -> record; a few, for the next open
+        self._records_cache: dict[tuple[int, Any], dict[str, Any]] = {}
 
     @classmethod
     def open(cls, path: str | os.PathLike[str] | Store, storage_options: dict[str, Any] | None = None,
@@ -171,7 +178,16 @@ class Repository:
         return data
 
     def step_meta(self, step: int, record: CommitRecord | None = None) -> StepMeta:
+        """The step's document, checked against its commit record. A delta step that takes its logical
+        records from its parent (``logical: {"from": P}``, spec/layout.md §6.9) comes with them: the
+        parents are read up to the step that holds them (resolved records are kept for the next call)."""
         record = record or self.commit_record(step)
+        meta = self._step_document(step, record)
+        if meta.logical_from is None:
+            return meta
+        return meta.with_records(self._records_of(meta.logical_from, step))
+
+    def _step_document(self, step: int, record: CommitRecord) -> StepMeta:
         raw = self.read_verified(step, "zarr.json", record)
         what = f"{self.url}/{step_prefix(step)}/zarr.json"
         meta = StepMeta.from_dict(metadata.loads(raw, what), what)
@@ -180,3 +196,38 @@ class Repository:
             raise InconsistentMetadataError(f"{what} disagrees with the commit record of step {step} "
                                             "(step, kind or parent)", file=what)
         return meta
+
+    def _records_of(self, step: int, child: int) -> dict[str, Any]:
+        """The logical records (array name -> record) of committed step ``step``, whose child ``child``
+        takes them: read from ``step``'s document, or from its parents' while it takes them from its
+        parent too (at most MAX_RECORDS_CHAIN documents); ``broken_chain`` when one is not committed."""
+        walk: list[tuple[tuple[int, Any], StepMeta]] = []  # (cache key, the document), child to ancestor
+        records: dict[str, Any] | None = None
+        cur, below = step, child
+        while records is None:
+            if len(walk) >= MAX_RECORDS_CHAIN:
+                raise DeltaChainError(f"step {child} takes its logical records from a chain of more than "
+                                      f"{MAX_RECORDS_CHAIN} steps", file=f"{step_prefix(child)}/zarr.json")
+            try:
+                record = self.commit_record(cur)
+            except (CheckpointNotFoundError, CorruptCommitRecordError) as e:
+                raise DeltaChainError(f"step {below} takes its logical records from step {cur}, which is not "
+                                      f"committed: {e.message}",
+                                      file=f"{step_prefix(below)}/zarr.json") from None
+            key = (cur, record.files.get("zarr.json"))
+            records = self._records_cache.get(key)
+            if records is not None:
+                break
+            meta = self._step_document(cur, record)
+            walk.append((key, meta))
+            if meta.logical_from is None:
+                records = {n: a.logical for n, a in meta.arrays.items() if a.logical}
+            else:
+                cur, below = meta.logical_from, cur
+        for key, meta in reversed(walk):  # ancestor to child: each takes its parent's records
+            if meta.logical_from is not None:
+                records = {n: a.logical for n, a in meta.with_records(records).arrays.items() if a.logical}
+            if len(self._records_cache) >= 8:
+                self._records_cache.pop(next(iter(self._records_cache)))
+            self._records_cache[key] = records
+        return records

@@ -12,7 +12,7 @@ import itertools
 import logging
 import math
 import struct
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ucl.delta import codec as delta_codec
@@ -177,12 +177,13 @@ def _validate_step(repo: Repository, step: int, report: Report, checksums: bool,
         report.add(e, step)
     expected_files = {"zarr.json"}
     for name, arr in meta.arrays.items():
-        expected_files.add(f"{arr.key}/zarr.json")
-        try:
-            _check_array_doc(repo, step, record, meta, arr)
-        except UCLError as e:
-            report.add(e, step)
-            continue
+        if arr.delta is None or meta.format_version < 2:  # a version 2 delta array has no document
+            expected_files.add(f"{arr.key}/zarr.json")
+            try:
+                _check_array_doc(repo, step, record, meta, arr)
+            except UCLError as e:
+                report.add(e, step)
+                continue
         holding = _holding(arr)  # a layout array: only the chunks that hold data are written (spec/layout.md §6.5)
         n_shards = math.prod(arr.grid) if holding is None else len(holding)
         if arr.delta is None and n_shards > len(record.files):  # never enumerate a grid the record cannot hold
@@ -241,7 +242,14 @@ def _check_array_doc(repo: Repository, step: int, record: CommitRecord, meta: St
     raw = repo.read_verified(step, rel, record)
     what = f"{repo.url}/{step_prefix(step)}/{rel}"
     doc = metadata.loads(raw, what)
-    if ArrayMeta.from_dict(doc, what) != arr:
+    on_disk = ArrayMeta.from_dict(doc, what)
+    if meta.format_version >= 2:  # its record is in the step document (spec/layout.md §6.3)
+        if on_disk.logical is not None:
+            raise SchemaError(f"{what}: the array document of a version {meta.format_version} step holds no "
+                              "logical record (it is in the step document's attributes.ucl.logical)",
+                              tensor=arr.name, file=what)
+        arr = replace(arr, logical=None)
+    if on_disk != arr:
         raise InconsistentMetadataError(f"{what} differs from the step's consolidated metadata", tensor=arr.name,
                                         file=what)
 

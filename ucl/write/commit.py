@@ -58,10 +58,14 @@ class StepCommit:
     """
 
     def __init__(self, repo: Repository, dist: Collectives, lock: WriterLock | None,
-                 retention: Retention, commit_threads: int) -> None:
+                 retention: Retention, commit_threads: int, format_version: int = 2) -> None:
         self.repo, self.dist, self.lock, self.retention = repo, dist, lock, retention
         self.commit_threads = commit_threads
+        self.format_version = format_version  # of the steps it commits (WriteOptions.format_version)
         self._documents = DocumentCache()  # arrays' documents serialized before (same plan, same objects)
+        # the logical records of the last steps committed (step -> array name -> record): a delta step
+        # whose records are its parent's writes {"from": parent} instead (spec/layout.md §6.9)
+        self._records: dict[int, dict[str, Any]] = {}
 
     def run(self, job: Job, files: dict[str, FileEntry], err: BaseException | None,
             base: DeltaBase | None) -> CommitRecord | None:
@@ -114,8 +118,10 @@ class StepCommit:
                 merged.update({k: tuple(v) for k, v in r["files"].items()})  # type: ignore[misc]
             t = clock()
             writer = StepWriter(self.repo, job.step, lock=self.lock, commit_threads=self.commit_threads,
-                                documents=self._documents)
-            record = writer.commit(self.step_meta(job, reports, base), merged, documents=job.documents)
+                                documents=self._documents, format_version=self.format_version)
+            meta = self.step_meta(job, reports, base)
+            record = writer.commit(meta, merged, documents=job.documents)
+            self._remember(meta)
             if self.lock is not None:
                 self.lock.renew()
             t1 = clock()
@@ -143,6 +149,20 @@ class StepCommit:
         tree = job.tree
         if job.plan.layout is not None:  # the coordinator's JSON values; tensors go by name
             tree = structure.graft(job.tree, [])
+        records = _records(arrays)
+        same = parent is not None and records and self._records.get(parent) == records
         return StepMeta(step=job.step, kind="full" if job.kind == "full" else "delta", parent=parent,
                         tree=tree, arrays=arrays, layout=job.plan.layout, mesh=job.plan.mesh,
-                        extensions=extensions)
+                        extensions=extensions, logical_from=parent if same else None)
+
+    def _remember(self, meta: StepMeta) -> None:
+        """Keep a committed step's records (the last few) for its children to refer to."""
+        records = _records(meta.arrays)
+        if records:
+            while len(self._records) >= 4:
+                self._records.pop(next(iter(self._records)))
+            self._records[meta.step] = records
+
+
+def _records(arrays: dict[str, Any]) -> dict[str, Any]:
+    return {n: a.logical for n, a in arrays.items() if a.logical}

@@ -259,7 +259,7 @@ class CheckpointManager:
         self._staging = Staging(staging_bytes, 3 if delta is not None else 2, eager=prepare is not False,
                                 threads=options.staging_threads)
         self._kinds = StepKinds(delta, self._staging, self._ctl, self.rank, self.world, options.inner_chunk_bytes)
-        self._shards = ShardWriter(self.repo, self.rank, writer_threads, direct)
+        self._shards = ShardWriter(self.repo, self.rank, writer_threads, direct, options.format_version)
         self._drain: Drain | None = None
         if memory is None:
             self._retention = Retention(self.repo, keep_last, keep_every)
@@ -277,7 +277,7 @@ class CheckpointManager:
         if memory is not None:
             fast = Retention(self.repo, memory.keep_last, None, drain.pending if drain is not None else None)
         self._committer = StepCommit(self.repo, self._dist, self._lock, fast or self._retention,
-                                     options.commit_threads)
+                                     options.commit_threads, options.format_version)
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._pending: list[SaveHandle] = []
         self._last_step: int | None = None  # the step of this manager's previous save (steps only increase)

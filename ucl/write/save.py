@@ -87,7 +87,8 @@ def save(state: Mapping[str, Any], path: str | os.PathLike[str] | Store, step: i
     arrays = {n: array_for(n, t, compression=comp, inner_bytes=options.inner_chunk_bytes)  # all checks before any write
               for n, t in tensors.items()}
     repo = Repository.open(path, storage_options, create=True)
-    with StepWriter(repo, step, commit_threads=options.commit_threads) as w:
+    with StepWriter(repo, step, commit_threads=options.commit_threads,
+                    format_version=options.format_version) as w:
         w.begin()  # the writer lock, held until the commit
         files: dict[str, FileEntry] = {}
         for name, t in tensors.items():
@@ -125,7 +126,8 @@ def save_sharded(
     merged = merge_plans(rank_plans)
     plans = [saveplan.from_layout(p, merged, comp, options.inner_chunk_bytes) for p in rank_plans]
     repo = Repository.open(path, storage_options, create=True)
-    with StepWriter(repo, step, commit_threads=options.commit_threads) as w:
+    with StepWriter(repo, step, commit_threads=options.commit_threads,
+                    format_version=options.format_version) as w:
         w.begin()  # the writer lock, held until the commit
         files: dict[str, tuple[int, int]] = {}
         for (tensors, _), plan in zip(flat, plans, strict=True):

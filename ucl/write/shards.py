@@ -45,8 +45,10 @@ class ShardWriter:
         (see ucl.io.native.FileWriter).
     """
 
-    def __init__(self, repo: Repository, rank: int, threads: int, direct: bool | None) -> None:
+    def __init__(self, repo: Repository, rank: int, threads: int, direct: bool | None,
+                 format_version: int = 2) -> None:
         self.repo, self.rank = repo, rank
+        self.format_version = format_version  # of a full step's documents (WriteOptions.format_version)
         self._threads, self._direct = threads, direct
         self._file_writer: FileWriter | None = None
         self._uploads: ThreadPoolExecutor | None = None
@@ -133,7 +135,8 @@ class ShardWriter:
                 # a full step's documents are known now: write them while the C threads write the
                 # shards, so that this rank's one sync covers them too and commit only adds the record
                 t = clock()
-                writer = StepWriter(self.repo, job.step, documents=self._documents)
+                writer = StepWriter(self.repo, job.step, documents=self._documents,
+                                    format_version=self.format_version)
                 if fw is None:
                     job.documents = writer.write_documents(full_meta(job))
                 else:  # on the C threads too, after the shards (the queue is in order)

@@ -34,16 +34,16 @@ def _group_document() -> bytes:
 
 
 #: How the skeleton of a step document (no arrays) ends: its consolidated metadata, empty.
-_EMPTY_TAIL = b'"metadata": {}\n }\n}'
+_EMPTY_TAIL = b'"metadata":{}}}'
 
 
 class DocumentCache:
     """The serialized documents of the arrays a long-lived writer (a manager's) wrote before.
 
     A manager writes the same arrays step after step (its plans are cached, and so are their ArrayMeta
-    objects, frozen), and their documents never change; serializing them (the documents are indented JSON,
-    which Python's json encodes in pure Python) was most of a large step's document time. Keyed by the
-    ArrayMeta object itself (held, so that its id is not reused); cleared when it grows past ``limit``.
+    objects, frozen), and their documents never change; serializing them once (Python's json encodes
+    the nested dicts of 500 arrays in tens of milliseconds) saves that per step. Keyed by the ArrayMeta
+    object itself (held, so that its id is not reused); cleared when it grows past ``limit``.
     """
 
     def __init__(self, limit: int = 1 << 16) -> None:
@@ -62,12 +62,19 @@ class DocumentCache:
         return data
 
 
-def step_documents(meta: StepMeta, cache: DocumentCache | None = None) -> dict[str, bytes]:
-    """A step's documents (relative path -> bytes): one per group and array node, then the step's own
-    ``zarr.json`` with every node consolidated. The same bytes as ``metadata.dumps`` of
+def step_documents(meta: StepMeta, cache: DocumentCache | None = None,
+                   format_version: int = metadata.FORMAT_VERSION) -> dict[str, bytes]:
+    """A step's documents (relative path -> bytes): one per group and array node (but delta arrays),
+    then the step's own ``zarr.json`` with every node consolidated. The same bytes as ``metadata.dumps`` of
     ``meta.to_dict()`` and of each of its nodes; the array nodes come serialized from ``cache`` and are
-    spliced into the step document (a node nested 3 levels deep is its standalone text indented 3 more
-    spaces: JSON strings hold no raw newline)."""
+    spliced into the step document (compact JSON: a node's text is the same standalone and nested).
+    ``format_version`` 1 writes version 1 documents (spec/core.md §9 item 5), serialized whole."""
+    if format_version == 1:
+        doc = meta.to_dict(format_version=1)
+        out = {f"{rel}/zarr.json": metadata.dumps(node)
+               for rel, node in doc["consolidated_metadata"]["metadata"].items()}
+        out["zarr.json"] = metadata.dumps(doc)
+        return out
     cache = cache or DocumentCache()
     nodes: dict[str, bytes] = {}
     group = _group_document()
@@ -76,14 +83,19 @@ def step_documents(meta: StepMeta, cache: DocumentCache | None = None) -> dict[s
         for i in range(1, len(parts)):
             nodes.setdefault("/".join(parts[:i]), group)
         nodes[a.key] = cache.array(a)
-    top = metadata.dumps(replace(meta, arrays={}).to_dict())
+    skeleton = replace(meta, arrays={}).to_dict()
+    if meta.logical_from is None and (logical := metadata.pack_logical(meta.arrays)) is not None:
+        skeleton["attributes"]["ucl"]["logical"] = logical
+    top = metadata.dumps(skeleton)
     if not top.endswith(_EMPTY_TAIL):  # not the shape spliced below: serialize it whole
         top = metadata.dumps(meta.to_dict())
     elif nodes:
-        body = b",".join(b"\n   " + json.dumps(k).encode() + b": " + v.replace(b"\n", b"\n   ")
-                         for k, v in nodes.items())
-        top = top[: -len(_EMPTY_TAIL)] + b'"metadata": {' + body + b"\n  }\n }\n}"
-    docs = {f"{rel}/zarr.json": data for rel, data in nodes.items()}
+        body = b",".join(json.dumps(k).encode() + b":" + v for k, v in nodes.items())
+        top = top[: -len(_EMPTY_TAIL)] + b'"metadata":{' + body + b"}}}"
+    # a delta array has no document of its own (spec/delta.md §3.2): no Zarr reader could read it (its
+    # ucl.delta codec is must-understand), and ucl reads the consolidated copy
+    deltas = {a.key for a in meta.arrays.values() if a.delta is not None}
+    docs = {f"{rel}/zarr.json": data for rel, data in nodes.items() if rel not in deltas}
     docs["zarr.json"] = top
     return docs
 
@@ -108,8 +120,10 @@ class StepWriter:
     """
 
     def __init__(self, repo: Repository, step: int, *, lock: WriterLock | None = None,
-                 commit_threads: int = 16, documents: DocumentCache | None = None) -> None:
+                 commit_threads: int = 16, documents: DocumentCache | None = None,
+                 format_version: int = metadata.FORMAT_VERSION) -> None:
         self.repo = repo
+        self.format_version = format_version  # of the documents and the commit record written
         self.documents = documents  # a long-lived writer's serialized array documents
         self.store: Store = repo.store
         self.step = check_step(step)
@@ -166,7 +180,7 @@ class StepWriter:
 
     def documents_of(self, meta: StepMeta) -> dict[str, bytes]:
         """The step's documents (path relative to the step -> bytes), :func:`step_documents`."""
-        return step_documents(meta, self.documents)
+        return step_documents(meta, self.documents, self.format_version)
 
     def commit(self, meta: StepMeta, files: Mapping[str, FileEntry],
                documents: Mapping[str, FileEntry] | None = None) -> CommitRecord:
@@ -190,7 +204,8 @@ class StepWriter:
         entries = dict(files)
         if documents is not None:
             entries.update(documents)
-            record = CommitRecord(step=self.step, kind=meta.kind, parent=meta.parent, files=entries)
+            record = CommitRecord(step=self.step, kind=meta.kind, parent=meta.parent, files=entries,
+                                  version=1 if self.format_version == 1 else metadata.COMMIT_VERSION)
             self.store.write_atomic(commit_key(self.step), record.to_bytes())
             return record
         docs = self.documents_of(meta)
@@ -212,7 +227,8 @@ class StepWriter:
             with ThreadPoolExecutor(self.commit_threads, thread_name_prefix="ucl-commit") as pool:
                 entries.update(pool.map(
                     lambda kv: (kv[0], self.store.write(f"{self.prefix}/{kv[0]}", [kv[1]])), docs.items()))
-        record = CommitRecord(step=self.step, kind=meta.kind, parent=meta.parent, files=entries)
+        record = CommitRecord(step=self.step, kind=meta.kind, parent=meta.parent, files=entries,
+                              version=1 if self.format_version == 1 else metadata.COMMIT_VERSION)
         self.store.write_atomic(commit_key(self.step), record.to_bytes())
         return record
 
