@@ -13,7 +13,8 @@ from .dist_cases import replicated_state
 pytestmark = pytest.mark.dist
 
 
-@pytest.mark.parametrize("world", [2, 4])
+# 2 ranks in CI; 4 ranks (~15 s here) in ./dev test-long
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_replicated_state_is_written_once_balanced(tmp_path, world) -> None:
     results = dist.run(world, "tests.write.dist_cases:save_replicated", {"path": str(tmp_path), "steps": 2})
     owners = [set(r["writes"]) for r in results]

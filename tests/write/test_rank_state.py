@@ -143,12 +143,14 @@ def test_a_rank_state_ucl_cannot_store_fails_the_save_before_staging(tmp_path) -
         assert mgr.restore(rank_state=True)[1] == [1, 2]
 
 
-def test_data_parallel_size_changes_hand_the_samplers_over(tmp_path) -> None:
+# CI restores the 4-rank save on 3 ranks (uneven) and on 1; ./dev test-long also on 2 (~9 s more)
+@pytest.mark.parametrize("worlds", [(3,), pytest.param((2, 3), marks=pytest.mark.slow)], ids=["3", "2-3"])
+def test_data_parallel_size_changes_hand_the_samplers_over(tmp_path, worlds) -> None:
     counts = [17, 19, 20, 18]  # uneven: ranks stop at different points of the epoch
     seen = dist.run(4, "tests.write.rank_state_cases:save_dp", {"path": str(tmp_path), "consumed": counts})
     consumed = [i for s in seen for i in s]
     assert len(set(consumed)) == sum(counts)
-    for world in (2, 3):
+    for world in worlds:
         out = dist.run(world, "tests.write.rank_state_cases:restore_dp", {"path": str(tmp_path)})
         rest = [i for o in out for i in o["rest"]]
         assert all(o["step"] == 7 and o["epoch"] == 2 for o in out)
