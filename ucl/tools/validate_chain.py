@@ -14,7 +14,7 @@ from typing import Any
 from ucl.delta.chain import DEFAULT_MAX_CHAIN, ArrayInfo, StepInfo, resolve_array_chain, resolve_chain
 from ucl.delta.codec import check_payload
 from ucl.errors import DeltaChainError, IntegrityError, UCLError
-from ucl.format.records import DeltaRecord, parse_codec
+from ucl.format.records import REFERENCE_MODES, DeltaRecord, parse_codec
 from ucl.format.repository import step_prefix
 
 __all__ = ["validate_chain"]
@@ -100,7 +100,7 @@ def validate_chain(
         if not check_bases:
             continue
         for link in links[:-1]:
-            if link.kind == "unchanged":
+            if link.kind in REFERENCE_MODES:
                 continue
             rec = records.get(link.step)
             arr = metas[link.step].arrays[name]
