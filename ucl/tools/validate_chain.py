@@ -97,6 +97,11 @@ def validate_chain(
         except UCLError as e:  # a record of `step` itself
             yield e
             continue
+        if links[-1].kind == "stale" and len(links) > 1 and links[-2].kind == "stale":
+            # a composite step's reference names the step that carries the values (spec/delta.md §9.4)
+            yield DeltaChainError(
+                f"tensor {name!r} in step {step} is stale with base_step {links[-2].step}, whose array is "
+                "itself stale: a stale array must refer to a step that carries its values", tensor=name)
         if not check_bases:
             continue
         for link in links[:-1]:
