@@ -82,7 +82,8 @@ def test_resume_from_the_latest_composite_step_after_sigkill(tmp_path: Path) -> 
 
 def _run(tmp_path: Path) -> None:
     repo = tmp_path / "ckpt"
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(repo)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(repo)], capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert f"committed {KILL_AT - 1}" in proc.stdout and f"committed {KILL_AT}" not in proc.stdout
     latest = KILL_AT - 1
@@ -94,9 +95,9 @@ def _run(tmp_path: Path) -> None:
         with pytest.raises(ApproximateStepError) as refused:
             mgr.restore()
         assert refused.value.code == "unknown_extension"
-        assert re.search(rf"step {latest} of .* is a composite step: \d+ of 5 groups hold older steps' values "
-                         rf"\(.+\); it is not the state at step {latest} \(open with approximate=True to load it "
-                         r"anyway\)", str(refused.value)), str(refused.value)
+        assert re.search(rf"step {latest} of .* is a composite step: \d+ of 5 groups hold older steps' "
+                         rf"values \(.+\); it is not the state at step {latest} \(open with approximate=True "
+                         r"to load it anyway\)", str(refused.value)), str(refused.value)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             state = mgr.restore(approximate=True)
@@ -108,7 +109,8 @@ def _run(tmp_path: Path) -> None:
                 comp = ckpt.composite
                 assert comp is not None and not ckpt.exact and ckpt.step == latest
         for g in comp.stale:  # the warning names every stale group with its step and age
-            assert f"{g.group} (from step {g.base_step}, {g.age} step{'s' if g.age != 1 else ''} old)" in msgs[0]
+            plural = "s" if g.age != 1 else ""
+            assert f"{g.group} (from step {g.base_step}, {g.age} step{plural} old)" in msgs[0]
             assert g.age == latest - g.base_step and 1 <= g.age < 3
         assert msgs[0].endswith("loaded approximately")
 
