@@ -334,3 +334,30 @@ def test_lossless_false_writes_the_changed_groups_full(tmp_path: Path) -> None:
     assert meta.arrays["model/layers.0.w"].delta["mode"] == "unchanged"  # bit-identical: no data either way
     got = ucl.load(d, 2, flat=True)
     assert all(bits(got[k]) == bits(states[1][k]) for k in states[1])
+
+
+def test_documents_match_the_schema(tmp_path: Path) -> None:
+    import json
+
+    import jsonschema
+
+    schema = json.loads((Path(__file__).parents[2] / "spec" / "schemas" / "delta.schema.json").read_text())
+
+    def check(defn: str, doc: object) -> None:
+        jsonschema.Draft202012Validator({**schema, "$ref": f"#/$defs/{defn}"}).validate(doc)
+
+    for ex in schema["$defs"]["composite"]["examples"]:
+        assert Composite.from_extension(ex).to_extension() == ex
+    d, _ = _composite_repo(tmp_path)
+    meta = ucl.Repository.open(d).step_meta(3)
+    check("composite", meta.composite.to_extension())
+    for a in meta.arrays.values():
+        if a.delta is not None:
+            check("record", a.delta)
+            assert DeltaRecord.from_dict(a.delta).to_dict() == a.delta
+    bad = meta.composite.to_extension()
+    bad["configuration"]["stale"][0]["age"] = 0
+    with pytest.raises(jsonschema.ValidationError):
+        check("composite", bad)
+    with pytest.raises(SchemaError):
+        Composite.from_extension(bad)
