@@ -165,6 +165,7 @@ class Composer:
         self.stored_at: dict[str, int] = {}
         self.groups: dict[str, str] = {}
         self.measured: set[str] = set()  # the tensors of the update statistic
+        self._norm2: dict[str, float] = {}  # ||values[n]||^2 of the measured floating tensors (cached)
         self._map: dict[str, tuple[str, bool]] = {}
         self.plan_key: int | None = None
 
@@ -177,6 +178,7 @@ class Composer:
         self.measured = {n for n, (_, m) in groups.items() if m}
         self.stored_at = dict.fromkeys(set(self.groups.values()), step)
         self.plan_key = plan_key
+        self._norm2 = {n: _norm2(self.values[n]) for n in self.measured}
 
     def usable(self, staged: Mapping[str, torch.Tensor], groups: Mapping[str, tuple[str, bool]],
                plan_key: int) -> bool:
@@ -193,8 +195,11 @@ class Composer:
         identical: set[str] = set()
         for g, ns in members.items():
             measured = [n for n in ns if n in self.measured] or ns
-            u, _ = _update((staged[n], self.values[n]) for n in measured)
-            same = all(torch.equal(_bits(staged[n]), _bits(self.values[n])) for n in ns)
+            u, zero = _update((staged[n], self.values[n], self._norm2.get(n)) for n in measured)
+            # bit-identical (stored as unchanged, free and exact): only looked at when the measured
+            # tensors did not change, so a changing group costs one pass over its parameters
+            same = zero and all(torch.equal(_bits(staged[n]), _bits(self.values[n]))
+                                for n in ns if n not in measured)
             updates[g] = u
             if same:
                 identical.add(g)
@@ -231,34 +236,48 @@ class Composer:
         for n, g in self.groups.items():
             if g in job.stored_groups:
                 self.values[n].copy_(staged[n])
+                if n in self.measured:
+                    self._norm2[n] = _norm2(self.values[n])
         for g in job.stored_groups:
             self.stored_at[g] = step
 
 
-def _update(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, bool]:
-    """``(relative update norm, bit-identical)`` of a group's (current, stored) tensor pairs.
+def _norm2(t: torch.Tensor) -> float:
+    """``||t||^2`` of a floating-point tensor (0 for others: they are not measured)."""
+    if not t.is_floating_point():
+        return 0.0
+    return float(torch.linalg.vector_norm(t, dtype=torch.float32).item()) ** 2
 
-    The norm is over the group's floating-point tensors: ``sqrt(sum ||cur - old||^2 / sum ||old||^2)``.
+
+def _update(triples: Iterable[tuple[torch.Tensor, torch.Tensor, float | None]]) -> tuple[float, bool]:
+    """``(relative update norm, bit-identical)`` of a group's (current, stored, ||stored||^2) tensors.
+
+    The norm is over the group's floating-point tensors: ``sqrt(sum ||cur - old||^2 / sum ||old||^2)``,
+    one pass over each (the difference; bits are compared only where it is exactly zero or not finite).
     A group with a changed tensor of another type (integers, bool, complex) has an infinite update, so
     that it is always stored."""
     num = den = 0.0
     same = True
     other_changed = False
-    for cur, old in pairs:
-        floating = cur.is_floating_point()
-        if floating:
-            den += float(torch.linalg.vector_norm(old, dtype=torch.float64).item()) ** 2
-        if torch.equal(_bits(cur), _bits(old)):
-            continue
-        same = False
-        if floating:
-            d = cur.to(torch.float32) - old.to(torch.float32) if cur.dtype != torch.float64 else cur - old
-            num += float(torch.linalg.vector_norm(d, dtype=torch.float64).item()) ** 2
-        else:
-            other_changed = True
+    for cur, old, norm2 in triples:
+        if cur.is_floating_point():
+            den += _norm2(old) if norm2 is None else norm2
+            d = cur - old if cur.dtype == torch.float32 or cur.dtype == torch.float64 else \
+                cur.to(torch.float32) - old.to(torch.float32)
+            n2 = float(torch.linalg.vector_norm(d).item()) ** 2
+            if n2 > 0 and math.isfinite(n2):
+                num += n2
+                same = False
+                continue
+            if torch.equal(_bits(cur), _bits(old)):
+                continue
+            same = False
+            num += n2 if math.isfinite(n2) else math.inf
+        elif not torch.equal(_bits(cur), _bits(old)):
+            same, other_changed = False, True
     if same:
         return 0.0, True
-    if other_changed:
+    if other_changed or not math.isfinite(num):
         return math.inf, False
     if den == 0.0:
         return (math.inf if num > 0 else 0.0), False
