@@ -26,7 +26,14 @@ from ucl.errors import (
     UnsupportedVersionError,
 )
 from ucl.format import dtypes, names, structure
-from ucl.format.records import COMPOSITE, Composite, DeltaRecord, GradientRecords, choose_encoding, parse_codec
+from ucl.format.records import (
+    COMPOSITE,
+    Composite,
+    DeltaRecord,
+    GradientRecords,
+    choose_encoding,
+    parse_codec,
+)
 from ucl.io import native as _native
 
 FORMAT_VERSION = 1
@@ -461,21 +468,24 @@ def _check_composite(ucl: dict[str, Any], arrays: dict[str, ArrayMeta], what: st
     for n, g in listed.items():
         a = arrays.get(n)
         if a is None:
-            raise InconsistentMetadataError(f"{what}: {COMPOSITE} lists tensor {n!r} (group {g.group!r}), which has "
+            raise InconsistentMetadataError(f"{what}: {COMPOSITE} lists tensor {n!r} (group "
+                                            f"{g.group!r}), which has "
                                             "no array", tensor=n, file=what)
         if g.base_step >= ucl["step"] or g.age != ucl["step"] - g.base_step:
-            raise InconsistentMetadataError(f"{what}: stale group {g.group!r}: base_step {g.base_step} and age "
-                                            f"{g.age} disagree with step {ucl['step']} (age = step - base_step, "
-                                            "at least 1)", file=what)
+            raise InconsistentMetadataError(
+                f"{what}: stale group {g.group!r}: base_step {g.base_step} and age {g.age} disagree with "
+                f"step {ucl['step']} (age = step - base_step, at least 1)", file=what)
         if a.delta is None and ucl["kind"] == "full":
             continue  # compacted: the array holds the referenced step's values itself
         if a.delta != {"mode": "stale", "base_step": g.base_step, "age": g.age}:
-            raise InconsistentMetadataError(f"{what}: tensor {n!r} of stale group {g.group!r} must be a stale "
+            raise InconsistentMetadataError(f"{what}: tensor {n!r} of stale group {g.group!r} must be a "
+                                            f"stale "
                                             f"array with base_step {g.base_step} and age {g.age}, found "
                                             f"{a.delta}", tensor=n, file=what)
     unlisted = sorted(set(stale_arrays) - set(listed))
     if unlisted:
-        raise InconsistentMetadataError(f"{what}: tensor {unlisted[0]!r} is stale, but no group of the {COMPOSITE} "
+        raise InconsistentMetadataError(f"{what}: tensor {unlisted[0]!r} is stale, but no group of the "
+                                        f"{COMPOSITE} "
                                         "extension lists it", tensor=unlisted[0], file=what)
 
 

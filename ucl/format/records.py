@@ -4,9 +4,9 @@
   inner codec ``{"name": "ucl.delta", "configuration": {...}}``.
 - :class:`OptimizerFingerprint` and :class:`GradientRecords` describe the optional ``ucl.gradient_records``
   step extension (LowDiff-style: gradients plus what is needed to replay the optimizer).
-- :class:`Composite` and :class:`StaleGroup` describe the ``ucl.composite`` step extension (spec/delta.md §9):
-  the approximate marker of a composite step, naming its stale groups, the step each one's values come
-  from and their age.
+- :class:`Composite` and :class:`StaleGroup` describe the ``ucl.composite`` step extension
+  (spec/delta.md §9): the approximate marker of a composite step, naming its stale groups, the step
+  each one's values come from and their age.
 """
 
 from __future__ import annotations
@@ -313,7 +313,8 @@ class Composite:
 
     def to_extension(self) -> dict[str, Any]:
         return {"name": COMPOSITE, "must_understand": True,
-                "configuration": {"groups": self.groups, "threshold": self.threshold, "top_k": self.top_k, "max_age": self.max_age,
+                "configuration": {"groups": self.groups, "threshold": self.threshold, "top_k": self.top_k,
+                                  "max_age": self.max_age,
                                   "stale": [g.to_dict() for g in self.stale]}}
 
     @classmethod
@@ -345,7 +346,8 @@ class Composite:
         total = _int(conf["groups"], f"{what}: groups", lo=1)
         if total < len(groups):
             raise SchemaError(f"{what}: {len(groups)} stale groups of a step of {total} groups")
-        return cls(stale=groups, groups=total, threshold=_finite(conf["threshold"], f"{what}: threshold"), top_k=top_k,
+        return cls(stale=groups, groups=total, threshold=_finite(conf["threshold"], f"{what}: threshold"),
+                   top_k=top_k,
                    max_age=_int(conf["max_age"], f"{what}: max_age", lo=1))
 
 

@@ -184,7 +184,8 @@ class ChainReader:
             except Exception as e:  # noqa: BLE001 - raised in request order, after earlier requests' errors
                 errors[order] = e
                 break
-            fetched = [(link, m) for link, m in zip(links, metas, strict=True) if link.kind not in REFERENCE_MODES]
+            fetched = [(link, m) for link, m in zip(links, metas, strict=True)
+                       if link.kind not in REFERENCE_MODES]
             word = word_dtype(meta.itemsize)
             stop = tuple(a + n for a, n in zip(req.start, req.shape, strict=True))
             out_bytes = as_bytes(req.out)

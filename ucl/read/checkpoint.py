@@ -486,10 +486,12 @@ def composite_gate(meta: StepMeta, approximate: bool, where: str) -> None:
     if comp is None:
         return
     n, total = len(comp.stale), comp.groups
-    what = (f"step {meta.step} of {where} is a composite step: {n} of {total} group{'s' if total != 1 else ''} "
+    plural = "s" if total != 1 else ""
+    what = (f"step {meta.step} of {where} is a composite step: {n} of {total} group{plural} "
             f"hold older steps' values ({comp.describe()})")
     if not approximate:
-        raise ApproximateStepError(f"{what}; it is not the state at step {meta.step} (open with approximate=True "
+        raise ApproximateStepError(f"{what}; it is not the state at step {meta.step} (open with "
+                                   f"approximate=True "
                                    "to load it anyway)", file=where)
     warnings.warn(f"{what}: loaded approximately", ApproximateWarning, stacklevel=3)
 

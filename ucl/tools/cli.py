@@ -171,11 +171,14 @@ def cmd_info(a: argparse.Namespace) -> int:
         lines = [f"step {ckpt.step} ({ckpt.kind}), {len(tensors)} tensors, {ckpt.record.nbytes / 1e6:.1f} MB, "
                  f"committed {ckpt.record.time}"]
         if comp is not None:
-            lines.append(f"APPROXIMATE (composite step, spec/delta.md §9): {len(comp.stale)} of {comp.groups} "
+            lines.append(f"APPROXIMATE (composite step, spec/delta.md §9): {len(comp.stale)} of "
+                         f"{comp.groups} "
                          "groups hold older steps' values; ucl.open/ucl.load need approximate=True")
-            lines.append(f"  policy: threshold {comp.threshold:g}, top_k {comp.top_k}, max_age {comp.max_age} steps")
-            lines += [f"  stale {g.group}: step {g.base_step}'s values, {g.age} step{'s' if g.age != 1 else ''} "
-                      f"old (relative update {g.update:.3g})" for g in comp.stale]
+            lines.append(f"  policy: threshold {comp.threshold:g}, top_k {comp.top_k}, "
+                         f"max_age {comp.max_age} steps")
+            lines += [f"  stale {g.group}: step {g.base_step}'s values, {g.age} "
+                      f"step{'s' if g.age != 1 else ''} old (relative update {g.update:.3g})"
+                      for g in comp.stale]
         if ckpt.kind == "delta":
             lines.append("chain: " + " -> ".join(map(str, info["chain"])) + " (full base last)")
         if rec is not None:
@@ -190,8 +193,8 @@ def cmd_info(a: argparse.Namespace) -> int:
         if info["source"] is not None:
             lines.append(f"source: {info['source']['format']} ({len(info['source']['files'])} file(s))")
         lines += [f"  {t['name']:60} {t['dtype']:14} {str(t['shape']):18} {t['shards']:>4} shard(s)"
-                  + (f"  stale: step {t['stale']['base_step']}'s values ({t['stale']['age']} old)" if "stale" in t
-                     else "  delta" if t["delta"] else "") for t in tensors]
+                  + (f"  stale: step {t['stale']['base_step']}'s values ({t['stale']['age']} old)"
+                     if "stale" in t else "  delta" if t["delta"] else "") for t in tensors]
         _print(info, a.json, "\n".join(lines))
     return 0
 

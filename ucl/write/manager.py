@@ -210,7 +210,8 @@ class CheckpointManager:
                                        "without a layout (one process, or data-parallel ranks holding the "
                                        "same state)")
         if delta is not None and delta.prune is not None and layout is not None:
-            raise InvalidArgumentError("composite steps (DeltaPolicy(prune=...)) are written by saves without a "
+            raise InvalidArgumentError("composite steps (DeltaPolicy(prune=...)) are written by saves "
+                                       "without a "
                                        "layout, in one process")
         if interval is not None and not isinstance(interval, AdaptiveInterval):
             raise InvalidArgumentError(f"interval must be a ucl.write.policy.AdaptiveInterval, "
