@@ -89,10 +89,11 @@ def validate(path: str | os.PathLike[str] | Store, step: int | None = None, *,
 
 
 def zarr_store(path: str | os.PathLike[str] | Store, step: int | None = None, *,
-               storage_options: dict[str, Any] | None = None) -> Any:
+               storage_options: dict[str, Any] | None = None, approximate: bool = False) -> Any:
     """A read-only Zarr v3 store over a committed step, deltas resolved and logical tensors rebuilt
-    (:class:`ucl.adapters.zarr_store.ZarrStore`; needs zarr-python, imported on first use)."""
+    (:class:`ucl.adapters.zarr_store.ZarrStore`; needs zarr-python, imported on first use).
+    ``approximate``: as for :func:`ucl.open` (a composite step is refused without it)."""
     from ucl.adapters.zarr_store import ZarrStore  # (registers the ucl dtypes with zarr)
 
-    return ZarrStore(path, step, storage_options=storage_options)
+    return ZarrStore(path, step, storage_options=storage_options, approximate=approximate)
 

@@ -70,6 +70,16 @@ class UnknownExtensionError(FormatError):
     code = "unknown_extension"
 
 
+class ApproximateStepError(UnknownExtensionError):
+    """A composite step (spec/delta.md §9) opened without ``approximate=True``: some of its groups hold an
+    older step's values, so it is not the state at its step. The code is ``unknown_extension``, as for a
+    gradient-record step that cannot be replayed exactly."""
+
+
+class ApproximateWarning(UserWarning):
+    """A composite step was opened with ``approximate=True``: the warning names its stale groups."""
+
+
 class InvalidNameError(FormatError):
     """A tensor name or storage key that is not allowed (empty, control characters, escapes the step)."""
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from . import (
     commit,
+    composite,
     compression,
     deltas,
     documents,
@@ -57,6 +58,7 @@ FEATURES = (
     gradient_records,
     deltas,
     layouts,
+    composite,
 )
 
 

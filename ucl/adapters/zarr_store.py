@@ -156,6 +156,9 @@ class ZarrStore(Store):
         fsspec options for URLs.
     read_only
         Must be True: a committed step never changes.
+    approximate
+        Present a composite step (spec/delta.md §9: some groups hold an older step's values), with an
+        ``ApproximateWarning``, instead of refusing it (as :func:`ucl.open`).
 
     Raises
     ------
@@ -172,6 +175,7 @@ class ZarrStore(Store):
         *,
         storage_options: dict[str, Any] | None = None,
         read_only: bool = True,
+        approximate: bool = False,
     ) -> None:
         if not read_only:
             raise InvalidArgumentError("a ucl zarr store is read-only: a committed step never changes")
@@ -181,7 +185,8 @@ class ZarrStore(Store):
                 raise InvalidArgumentError("step and storage_options come from the Checkpoint; pass neither")
             self._ckpt, self._owns = path, False
         else:
-            self._ckpt, self._owns = open_checkpoint(path, step, storage_options=storage_options), True
+            self._ckpt = open_checkpoint(path, step, storage_options=storage_options, approximate=approximate)
+            self._owns = True
         self._location: Any = (
             self._ckpt.repo.store if not isinstance(path, str | os.PathLike) else os.fspath(path)
         )

@@ -23,7 +23,7 @@ import numpy as np
 
 from ucl.delta.codec import ENCODINGS, MODE_FULL, Backend, PayloadError, decode_chunk
 from ucl.errors import DeltaChainError, FormatError, IntegrityError, LimitExceededError, UCLError
-from ucl.format.records import DeltaRecord
+from ucl.format.records import REFERENCE_MODES, DeltaRecord
 
 __all__ = [
     "DEFAULT_MAX_CHAIN",
@@ -62,7 +62,7 @@ class ArrayInfo:
 
     @property
     def kind(self) -> str:
-        """``"full"``, ``"unchanged"`` or ``"chunked"``."""
+        """``"full"``, ``"unchanged"``, ``"chunked"`` or ``"stale"`` (a composite step's reference)."""
         return "full" if self.delta is None else self.delta.mode
 
 
@@ -294,7 +294,7 @@ def _walk(
     name = top.name
     pending: list[tuple[ArrayInfo, bytes | memoryview]] = []
     for link in reversed(links):
-        if link.kind == "unchanged":
+        if link.kind in REFERENCE_MODES:  # no data: the base link holds the values
             continue
         data = _read(read_inner, link, coords, top)
         if link.kind == "full":

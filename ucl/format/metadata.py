@@ -26,7 +26,14 @@ from ucl.errors import (
     UnsupportedVersionError,
 )
 from ucl.format import dtypes, names, structure
-from ucl.format.records import DeltaRecord, GradientRecords, choose_encoding, parse_codec
+from ucl.format.records import (
+    COMPOSITE,
+    Composite,
+    DeltaRecord,
+    GradientRecords,
+    choose_encoding,
+    parse_codec,
+)
 from ucl.io import native as _native
 
 FORMAT_VERSION = 2  # what a step document is written as (spec/core.md §9 item 5); 1 still reads
@@ -38,7 +45,7 @@ MAX_JSON_DEPTH = 128  # spec/core.md §8.4: a step document's deepest legitimate
 MAX_ELEMENTS = 1 << 62
 MAX_INNER_CHUNKS_PER_SHARD = 1 << 24
 SCHEMA_DIR = Path(__file__).with_name("schemas")
-KNOWN_EXTENSIONS: frozenset[str] = frozenset({"ucl.gradient_records"})  # spec/delta.md §8
+KNOWN_EXTENSIONS: frozenset[str] = frozenset({"ucl.gradient_records", COMPOSITE})  # spec/delta.md §8, §9
 
 
 # -- JSON ------------------------------------------------------------------------------------------
@@ -492,6 +499,14 @@ class StepMeta:
                 return GradientRecords.from_extension(e)
         return None
 
+    @property
+    def composite(self) -> Composite | None:
+        """The step's ``ucl.composite`` extension (spec/delta.md §9: the step is approximate), or None."""
+        for e in self.extensions:
+            if e.get("name") == COMPOSITE:
+                return Composite.from_extension(e)
+        return None
+
     def to_dict(self, format_version: int = FORMAT_VERSION) -> dict[str, Any]:
         """The step document, of ``format_version`` 2 (the logical records once, in ``attributes.ucl``)
         or 1 (each array's record in its document, for readers of version 1 only)."""
@@ -568,6 +583,7 @@ class StepMeta:
             raise InconsistentMetadataError(f"{what}: the structure tree names tensor {missing!r}, which has no array", tensor=missing, file=what)
         if ucl["kind"] == "delta" and ucl.get("parent") is None:
             raise InconsistentMetadataError(f"{what}: a delta step must name its parent", file=what)
+        _check_composite(ucl, arrays, what)
         return cls(step=ucl["step"], kind=ucl["kind"], tree=ucl["tree"], arrays=arrays, parent=ucl.get("parent"),
                    layout=ucl.get("layout"), mesh=ucl.get("mesh"),
                    extensions=tuple(ucl.get("extensions", ())), logical_from=logical_from,
@@ -606,6 +622,46 @@ def _replayed(ucl: dict[str, Any], referenced: set[str], arrays: dict[str, Array
         if g is not None and g.delta is not None:
             raise InconsistentMetadataError(f"{what}: gradient {g.name!r} must be stored full", tensor=g.name, file=what)
     return replayed
+
+
+def _check_composite(ucl: dict[str, Any], arrays: dict[str, ArrayMeta], what: str) -> None:
+    """A composite step's marker and its stale arrays agree (spec/delta.md §9.2): every ``stale`` array is
+    listed in the ``ucl.composite`` extension with its base step and age, and every listed tensor is a
+    ``stale`` array with those (or, in a step compacted to full, an array stored full)."""
+    exts = [e for e in ucl.get("extensions", ()) if e.get("name") == COMPOSITE]
+    if len(exts) > 1:
+        raise InconsistentMetadataError(f"{what}: the {COMPOSITE} extension appears twice", file=what)
+    stale_arrays = {n: a for n, a in arrays.items() if a.delta is not None and a.delta.get("mode") == "stale"}
+    if not exts:
+        if stale_arrays:
+            n = sorted(stale_arrays)[0]
+            raise InconsistentMetadataError(f"{what}: tensor {n!r} is stale, but the step has no {COMPOSITE} "
+                                            "extension marking it approximate", tensor=n, file=what)
+        return
+    comp = Composite.from_extension(exts[0], f"{what}: {COMPOSITE}")
+    listed = comp.tensors()
+    for n, g in listed.items():
+        a = arrays.get(n)
+        if a is None:
+            raise InconsistentMetadataError(f"{what}: {COMPOSITE} lists tensor {n!r} (group "
+                                            f"{g.group!r}), which has "
+                                            "no array", tensor=n, file=what)
+        if g.base_step >= ucl["step"] or g.age != ucl["step"] - g.base_step:
+            raise InconsistentMetadataError(
+                f"{what}: stale group {g.group!r}: base_step {g.base_step} and age {g.age} disagree with "
+                f"step {ucl['step']} (age = step - base_step, at least 1)", file=what)
+        if a.delta is None and ucl["kind"] == "full":
+            continue  # compacted: the array holds the referenced step's values itself
+        if a.delta != {"mode": "stale", "base_step": g.base_step, "age": g.age}:
+            raise InconsistentMetadataError(f"{what}: tensor {n!r} of stale group {g.group!r} must be a "
+                                            f"stale "
+                                            f"array with base_step {g.base_step} and age {g.age}, found "
+                                            f"{a.delta}", tensor=n, file=what)
+    unlisted = sorted(set(stale_arrays) - set(listed))
+    if unlisted:
+        raise InconsistentMetadataError(f"{what}: tensor {unlisted[0]!r} is stale, but no group of the "
+                                        f"{COMPOSITE} "
+                                        "extension lists it", tensor=unlisted[0], file=what)
 
 
 # -- commit records --------------------------------------------------------------------------------

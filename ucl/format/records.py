@@ -4,10 +4,14 @@
   inner codec ``{"name": "ucl.delta", "configuration": {...}}``.
 - :class:`OptimizerFingerprint` and :class:`GradientRecords` describe the optional ``ucl.gradient_records``
   step extension (LowDiff-style: gradients plus what is needed to replay the optimizer).
+- :class:`Composite` and :class:`StaleGroup` describe the ``ucl.composite`` step extension
+  (spec/delta.md §9): the approximate marker of a composite step, naming its stale groups, the step
+  each one's values come from and their age.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +19,10 @@ from ucl.errors import FormatError, InconsistentMetadataError, SchemaError
 
 __all__ = [
     "CODEC_NAME",
+    "COMPOSITE",
+    "Composite",
+    "REFERENCE_MODES",
+    "StaleGroup",
     "DeltaRecord",
     "GRADIENT_RECORDS",
     "GradientRecords",
@@ -24,7 +32,11 @@ __all__ = [
 
 CODEC_NAME = "ucl.delta"
 GRADIENT_RECORDS = "ucl.gradient_records"
-MODES = ("unchanged", "chunked")
+COMPOSITE = "ucl.composite"
+MODES = ("unchanged", "chunked", "stale")
+#: Modes whose array stores no data: its values are the base step's (bit for bit: ``unchanged``; the
+#: values of an older step standing in for this step's, in a composite step: ``stale``).
+REFERENCE_MODES = ("unchanged", "stale")
 ENCODINGS = ("xor", "sub")
 _MAX_STEP = (1 << 63) - 1
 
@@ -51,14 +63,17 @@ def _keys(d: Any, what: str, required: set[str], optional: set[str] = frozenset(
 class DeltaRecord:
     """``attributes.ucl.delta`` of an array in a delta step.
 
-    ``mode`` is ``"unchanged"`` (no data: the tensor equals the base step's, bit for bit) or
+    ``mode`` is ``"unchanged"`` (no data: the tensor equals the base step's, bit for bit),
     ``"chunked"`` (inner chunks encoded with the ``ucl.delta`` codec against ``base_step``; an absent
-    inner chunk equals the base's). ``encoding`` is the writer's choice for chunked arrays.
+    inner chunk equals the base's) or ``"stale"`` (no data, and *not* exact: a composite step,
+    spec/delta.md §9, left this tensor's group out and reads stand in ``base_step``'s values, ``age``
+    steps old). ``encoding`` is the writer's choice for chunked arrays.
     """
 
     mode: str
     base_step: int
     encoding: str | None = None
+    age: int | None = None  # stale records only: the step number minus base_step
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -68,18 +83,27 @@ class DeltaRecord:
             raise SchemaError(
                 f"delta record: a chunked array needs encoding in {ENCODINGS}, found {self.encoding!r}"
             )
-        if self.mode == "unchanged" and self.encoding is not None:
-            raise SchemaError("delta record: an unchanged array has no encoding")
+        if self.mode in REFERENCE_MODES and self.encoding is not None:
+            raise SchemaError(f"delta record: an {self.mode} array has no encoding")
+        if self.mode == "stale":
+            _int(self.age, "delta record: a stale array's age", lo=1)
+        elif self.age is not None:
+            raise SchemaError(f"delta record: only a stale array has an age, found one on a {self.mode} one")
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"mode": self.mode, "base_step": self.base_step}
         if self.encoding is not None:
             d["encoding"] = self.encoding
+        if self.age is not None:
+            d["age"] = self.age
         return d
 
     @classmethod
     def from_dict(cls, d: Any, what: str = "delta record") -> DeltaRecord:
-        _keys(d, what, {"mode", "base_step"}, {"encoding"})
+        if isinstance(d, dict) and d.get("mode") == "stale":
+            _keys(d, what, {"mode", "base_step", "age"})
+        else:
+            _keys(d, what, {"mode", "base_step"}, {"encoding"})
         if d["mode"] not in MODES:
             raise SchemaError(f"{what}: mode must be one of {MODES}, found {d['mode']!r}")
         try:
@@ -87,6 +111,7 @@ class DeltaRecord:
                 mode=d["mode"],
                 base_step=_int(d["base_step"], f"{what}: base_step"),
                 encoding=d.get("encoding"),
+                age=d.get("age"),
             )
         except SchemaError as e:
             raise SchemaError(f"{what}: {e.message}") from None
@@ -218,6 +243,112 @@ class GradientRecords:
             optimizer_state=conf["optimizer_state"],
             param_groups=tuple(dict(g) for g in groups),
         )
+
+
+def _finite(v: Any, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise SchemaError(f"{what}: expected a finite number >= 0, found {v!r}")
+    return float(v)
+
+
+@dataclass(frozen=True)
+class StaleGroup:
+    """One group a composite step left out: its tensors read as ``base_step``'s, ``age`` steps old.
+
+    ``update`` is the selection statistic when the step was saved: the group's relative update norm
+    ``||x - x_base|| / ||x_base||`` over its floating-point tensors since ``base_step``.
+    """
+
+    group: str
+    base_step: int
+    age: int
+    update: float
+    tensors: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"group": self.group, "base_step": self.base_step, "age": self.age, "update": self.update,
+                "tensors": list(self.tensors)}
+
+    @classmethod
+    def from_dict(cls, d: Any, what: str) -> StaleGroup:
+        _keys(d, what, {"group", "base_step", "age", "update", "tensors"})
+        if not isinstance(d["group"], str) or not d["group"]:
+            raise SchemaError(f"{what}: group must be a non-empty string, found {d['group']!r}")
+        tensors = d["tensors"]
+        if not isinstance(tensors, list) or not tensors or not all(isinstance(t, str) and t for t in tensors):
+            raise SchemaError(f"{what}: tensors must be a non-empty list of tensor names")
+        return cls(group=d["group"], base_step=_int(d["base_step"], f"{what}: base_step"),
+                   age=_int(d["age"], f"{what}: age", lo=1), update=_finite(d["update"], f"{what}: update"),
+                   tensors=tuple(tensors))
+
+
+@dataclass(frozen=True)
+class Composite:
+    """The ``ucl.composite`` step extension (spec/delta.md §9): the step is approximate.
+
+    A composite step stored only some groups of tensors (a parameter with its optimizer state, by
+    default a layer's); each group of ``stale`` is a reference to the step that carries its values.
+    ``groups`` counts the step's groups, stored or not. ``threshold``, ``top_k`` and ``max_age`` are the
+    writer's policy, recorded for the reader's
+    information (non-normative: readers do not use them).
+    """
+
+    stale: tuple[StaleGroup, ...]
+    groups: int  # the number of groups of the step, stored or stale
+    threshold: float = 0.0
+    top_k: int | None = None
+    max_age: int = 1
+
+    def tensors(self) -> dict[str, StaleGroup]:
+        """Every stale tensor's group."""
+        return {t: g for g in self.stale for t in g.tensors}
+
+    def describe(self, limit: int = 8) -> str:
+        """``"model/layers.0 (from step 12, 3 steps old), ..."``: the stale groups, for messages."""
+        parts = [f"{g.group} (from step {g.base_step}, {g.age} step{'s' if g.age != 1 else ''} old)"
+                 for g in self.stale[:limit]]
+        if len(self.stale) > limit:
+            parts.append(f"and {len(self.stale) - limit} more")
+        return ", ".join(parts)
+
+    def to_extension(self) -> dict[str, Any]:
+        return {"name": COMPOSITE, "must_understand": True,
+                "configuration": {"groups": self.groups, "threshold": self.threshold, "top_k": self.top_k,
+                                  "max_age": self.max_age,
+                                  "stale": [g.to_dict() for g in self.stale]}}
+
+    @classmethod
+    def from_extension(cls, ext: Any, what: str = COMPOSITE) -> Composite:
+        _keys(ext, what, {"name", "configuration"}, {"must_understand"})
+        if ext["name"] != COMPOSITE:
+            raise SchemaError(f"{what}: name must be {COMPOSITE!r}")
+        if ext.get("must_understand", True) is not True:
+            raise SchemaError(f"{what}: must_understand must be true (a reader must not present it as exact)")
+        conf = _keys(ext["configuration"], f"{what} configuration",
+                     {"groups", "threshold", "top_k", "max_age", "stale"})
+        top_k = conf["top_k"]
+        if top_k is not None:
+            top_k = _int(top_k, f"{what}: top_k", lo=1)
+        stale = conf["stale"]
+        if not isinstance(stale, list) or not stale:
+            raise SchemaError(f"{what}: stale must be a non-empty list (a step without stale groups is exact "
+                              "and has no ucl.composite extension)")
+        groups = tuple(StaleGroup.from_dict(g, f"{what}: stale[{i}]") for i, g in enumerate(stale))
+        seen: set[str] = set()
+        for g in groups:
+            twice = seen & set(g.tensors)
+            if twice or len(set(g.tensors)) != len(g.tensors):
+                name = sorted(twice)[0] if twice else g.tensors[0]
+                raise SchemaError(f"{what}: tensor {name!r} is listed in more than one stale group")
+            seen |= set(g.tensors)
+        if len({g.group for g in groups}) != len(groups):
+            raise SchemaError(f"{what}: a group is listed twice")
+        total = _int(conf["groups"], f"{what}: groups", lo=1)
+        if total < len(groups):
+            raise SchemaError(f"{what}: {len(groups)} stale groups of a step of {total} groups")
+        return cls(stale=groups, groups=total, threshold=_finite(conf["threshold"], f"{what}: threshold"),
+                   top_k=top_k,
+                   max_age=_int(conf["max_age"], f"{what}: max_age", lo=1))
 
 
 def choose_encoding(name: str, dtype: str) -> str:

@@ -60,7 +60,7 @@ from ucl.delta.chain import (
 )
 from ucl.delta.codec import ENCODINGS, word_dtype
 from ucl.format.metadata import ArrayMeta, StepMeta
-from ucl.format.records import DeltaRecord
+from ucl.format.records import REFERENCE_MODES, DeltaRecord
 from ucl.format.shardfile import EMPTY, as_bytes, check_chunk, decode_chunk
 from ucl.io.buffers import shared_pool
 from ucl.io.prefault import Prefaulter
@@ -184,7 +184,8 @@ class ChainReader:
             except Exception as e:  # noqa: BLE001 - raised in request order, after earlier requests' errors
                 errors[order] = e
                 break
-            fetched = [(link, m) for link, m in zip(links, metas, strict=True) if link.kind != "unchanged"]
+            fetched = [(link, m) for link, m in zip(links, metas, strict=True)
+                       if link.kind not in REFERENCE_MODES]
             word = word_dtype(meta.itemsize)
             stop = tuple(a + n for a, n in zip(req.start, req.shape, strict=True))
             out_bytes = as_bytes(req.out)

@@ -12,6 +12,7 @@ import itertools
 import math
 import os
 import threading
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -21,6 +22,8 @@ import torch
 from ucl.delta.chain import DEFAULT_MAX_CHAIN
 from ucl.delta.gradients import replay_records
 from ucl.errors import (
+    ApproximateStepError,
+    ApproximateWarning,
     CheckpointNotFoundError,
     DeltaChainError,
     InconsistentMetadataError,
@@ -33,6 +36,7 @@ from ucl.errors import (
 )
 from ucl.format import structure
 from ucl.format.metadata import ArrayMeta, CommitRecord, StepMeta
+from ucl.format.records import Composite
 from ucl.format.repository import Repository
 from ucl.format.structure import graft
 from ucl.io import progress
@@ -186,9 +190,18 @@ class Checkpoint:
         return self._replay[0]
 
     @property
+    def composite(self) -> Composite | None:
+        """A composite step's marker (spec/delta.md §9): its stale groups, each with the step its values
+        come from and their age; None for a step that stores every tensor."""
+        return self.meta.composite
+
+    @property
     def exact(self) -> bool:
-        """False only for a gradient-record step replayed (with ``approximate=True``) under an optimizer
-        fingerprint that differs from the recorded one, or whose parent is such a step."""
+        """False for a composite step (some groups hold an older step's values, spec/delta.md §9), and
+        for a gradient-record step replayed (with ``approximate=True``) under an optimizer fingerprint
+        that differs from the recorded one, or whose parent is such a step."""
+        if self.meta.composite is not None:
+            return False
         if self.records is None:
             return True
         self.replayed()
@@ -439,7 +452,10 @@ def open(path: str | os.PathLike[str] | Store, step: int | None = None, *,  # no
     approximate
         For a gradient-record step (spec/delta.md §8) whose optimizer fingerprint differs from this
         environment: replay it anyway (a ``ReplayWarning``; ``Checkpoint.exact`` is False) instead of
-        failing with ``unknown_extension``.
+        failing with ``unknown_extension``. For a composite step (spec/delta.md §9, some groups hold an
+        older step's values): open it (an ``ApproximateWarning`` naming the stale groups and their ages;
+        ``Checkpoint.exact`` is False, ``Checkpoint.composite`` lists them) instead of failing with
+        ``ApproximateStepError`` (``unknown_extension``).
     options
         How to read (:class:`ucl.options.ReadOptions`: threads, O_DIRECT, buffer bounds); never what.
 
@@ -458,6 +474,24 @@ def open(path: str | os.PathLike[str] | Store, step: int | None = None, *,  # no
         step, record = found
     else:
         record = repo.commit_record(step)
-    return Checkpoint(repo, step, record, repo.step_meta(step, record), approximate=approximate, options=options)
+    meta = repo.step_meta(step, record)
+    composite_gate(meta, approximate, repo.url)
+    return Checkpoint(repo, step, record, meta, approximate=approximate, options=options)
 
+
+def composite_gate(meta: StepMeta, approximate: bool, where: str) -> None:
+    """Refuse a composite step unless ``approximate``; with it, warn naming what is stale
+    (spec/delta.md §9.3: a reader MUST NOT present a composite step as the state at its step)."""
+    comp = meta.composite
+    if comp is None:
+        return
+    n, total = len(comp.stale), comp.groups
+    plural = "s" if total != 1 else ""
+    what = (f"step {meta.step} of {where} is a composite step: {n} of {total} group{plural} "
+            f"hold older steps' values ({comp.describe()})")
+    if not approximate:
+        raise ApproximateStepError(f"{what}; it is not the state at step {meta.step} (open with "
+                                   f"approximate=True "
+                                   "to load it anyway)", file=where)
+    warnings.warn(f"{what}: loaded approximately", ApproximateWarning, stacklevel=3)
 

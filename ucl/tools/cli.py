@@ -13,10 +13,11 @@ import json
 import math
 import re
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from ucl.errors import UCLError
+from ucl.errors import ApproximateWarning, UCLError
 
 EPILOG = """\
 exit status: 0 success (valid), 1 failure (invalid, or an error), 2 usage error.
@@ -103,11 +104,22 @@ def cmd_ls(a: argparse.Namespace) -> int:
     for s in repo.steps():
         try:
             r = repo.commit_record(s)
-            rows.append({"step": s, "kind": r.kind, "parent": r.parent, "bytes": r.nbytes, "time": r.time})
+            row = {"step": s, "kind": r.kind, "parent": r.parent, "bytes": r.nbytes, "time": r.time}
+            if r.kind == "delta":  # a composite step (spec/delta.md §9) is approximate: say so
+                comp = repo.step_meta(s, r).composite
+                if comp is not None:
+                    row["approximate"] = {"stale_groups": len(comp.stale), "groups": comp.groups,
+                                          "max_age": max(g.age for g in comp.stale)}
+            rows.append(row)
         except UCLError as e:
             rows.append({"step": s, "error": e.code})
-    text = "\n".join(f"{r['step']:>10}  {r.get('kind', '?'):5}  {r.get('bytes', 0) / 1e6:10.1f} MB  {r.get('time', r.get('error'))}"
-                     for r in rows) or "(no committed steps)"
+
+    def note(r: dict[str, Any]) -> str:
+        ap = r.get("approximate")
+        return "" if ap is None else (f"  approximate: {ap['stale_groups']}/{ap['groups']} groups stale, "
+                                      f"up to {ap['max_age']} step{'s' if ap['max_age'] != 1 else ''} old")
+    text = "\n".join(f"{r['step']:>10}  {r.get('kind', '?'):5}  {r.get('bytes', 0) / 1e6:10.1f} MB  "
+                     f"{r.get('time', r.get('error'))}{note(r)}" for r in rows) or "(no committed steps)"
     _print(rows, a.json, f"{'step':>10}  kind   {'size':>13}  time\n{text}")
     return 0
 
@@ -127,10 +139,18 @@ def _chain(repo: Any, step: int, parent: int | None) -> list[int]:
 def cmd_info(a: argparse.Namespace) -> int:
     from ucl.read.checkpoint import open as open_step
 
-    with open_step(a.path, a.step) as ckpt:
+    with warnings.catch_warnings():  # info describes a composite step (below), it does not load it
+        warnings.simplefilter("ignore", ApproximateWarning)
+        ckpt = open_step(a.path, a.step, approximate=True)
+    with ckpt:
         tensors = [{"name": n, "dtype": m.dtype, "shape": list(m.shape), "chunk_shape": list(m.chunk_shape),
                     "shards": math.prod(m.grid), "bytes": m.nbytes, "delta": m.delta is not None,
                     "logical": m.logical} for n, m in ckpt.meta.arrays.items()]
+        comp = ckpt.composite
+        stale = comp.tensors() if comp is not None else {}
+        for t in tensors:
+            if t["name"] in stale:
+                t["stale"] = {"base_step": stale[t["name"]].base_step, "age": stale[t["name"]].age}
         source = next((e.get("configuration", {}) for e in ckpt.meta.extensions if e.get("name") == "ucl.source"), None)
         info: dict[str, Any] = {"step": ckpt.step, "kind": ckpt.kind, "parent": ckpt.meta.parent,
                 "chain": _chain(ckpt.repo, ckpt.step, ckpt.meta.parent), "layout": ckpt.meta.layout,
@@ -145,8 +165,20 @@ def cmd_info(a: argparse.Namespace) -> int:
                                         "implementation": rec.fingerprint.implementation,
                                         "torch_version": rec.fingerprint.torch_version,
                                         "parameters": len(rec.parameters), "replayed": replayed}
+        if comp is not None:
+            info["approximate"] = {"groups": comp.groups, "threshold": comp.threshold, "top_k": comp.top_k,
+                                   "max_age": comp.max_age, "stale": [g.to_dict() for g in comp.stale]}
         lines = [f"step {ckpt.step} ({ckpt.kind}), {len(tensors)} tensors, {ckpt.record.nbytes / 1e6:.1f} MB, "
                  f"committed {ckpt.record.time}"]
+        if comp is not None:
+            lines.append(f"APPROXIMATE (composite step, spec/delta.md §9): {len(comp.stale)} of "
+                         f"{comp.groups} "
+                         "groups hold older steps' values; ucl.open/ucl.load need approximate=True")
+            lines.append(f"  policy: threshold {comp.threshold:g}, top_k {comp.top_k}, "
+                         f"max_age {comp.max_age} steps")
+            lines += [f"  stale {g.group}: step {g.base_step}'s values, {g.age} "
+                      f"step{'s' if g.age != 1 else ''} old (relative update {g.update:.3g})"
+                      for g in comp.stale]
         if ckpt.kind == "delta":
             lines.append("chain: " + " -> ".join(map(str, info["chain"])) + " (full base last)")
         if rec is not None:
@@ -161,7 +193,8 @@ def cmd_info(a: argparse.Namespace) -> int:
         if info["source"] is not None:
             lines.append(f"source: {info['source']['format']} ({len(info['source']['files'])} file(s))")
         lines += [f"  {t['name']:60} {t['dtype']:14} {str(t['shape']):18} {t['shards']:>4} shard(s)"
-                  + ("  delta" if t["delta"] else "") for t in tensors]
+                  + (f"  stale: step {t['stale']['base_step']}'s values ({t['stale']['age']} old)"
+                     if "stale" in t else "  delta" if t["delta"] else "") for t in tensors]
         _print(info, a.json, "\n".join(lines))
     return 0
 

@@ -194,6 +194,12 @@ def _validate_step(repo: Repository, step: int, report: Report, checksums: bool,
         for coords in itertools.product(*(range(g) for g in arr.grid)):
             rel = arr.shard_key(coords)
             expected_files.add(rel)
+            if rel in record.files and arr.delta is not None and arr.delta.get("mode") == "stale":
+                report.add(InconsistentMetadataError(
+                    f"the commit record of step {step} lists shard {rel} of stale tensor {name!r}, which "
+                    "stores no data (spec/delta.md §9)", tensor=name,
+                    file=f"{step_prefix(step)}/{rel}"), step)
+                continue
             if rel not in record.files:
                 if arr.delta is None and (holding is None or coords in holding):
                     report.add(MissingShardError(f"shard {rel} of tensor {name!r} is not in the commit record of step "

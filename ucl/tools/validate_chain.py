@@ -14,7 +14,7 @@ from typing import Any
 from ucl.delta.chain import DEFAULT_MAX_CHAIN, ArrayInfo, StepInfo, resolve_array_chain, resolve_chain
 from ucl.delta.codec import check_payload
 from ucl.errors import DeltaChainError, IntegrityError, UCLError
-from ucl.format.records import DeltaRecord, parse_codec
+from ucl.format.records import REFERENCE_MODES, DeltaRecord, parse_codec
 from ucl.format.repository import step_prefix
 
 __all__ = ["validate_chain"]
@@ -97,10 +97,15 @@ def validate_chain(
         except UCLError as e:  # a record of `step` itself
             yield e
             continue
+        if links[-1].kind == "stale" and len(links) > 1 and links[-2].kind == "stale":
+            # a composite step's reference names the step that carries the values (spec/delta.md §9.4)
+            yield DeltaChainError(
+                f"tensor {name!r} in step {step} is stale with base_step {links[-2].step}, whose array is "
+                "itself stale: a stale array must refer to a step that carries its values", tensor=name)
         if not check_bases:
             continue
         for link in links[:-1]:
-            if link.kind == "unchanged":
+            if link.kind in REFERENCE_MODES:
                 continue
             rec = records.get(link.step)
             arr = metas[link.step].arrays[name]

@@ -30,7 +30,7 @@ from ucl.format.repository import Repository
 from ucl.write import events
 from ucl.write.collectives import Collectives, describe
 from ucl.write.job import Job
-from ucl.write.kinds import DeltaBase, delta_array
+from ucl.write.kinds import DeltaBase, composite_array, delta_array
 from ucl.write.retention import Retention
 from ucl.write.step import DocumentCache, FileEntry, StepWriter
 
@@ -139,7 +139,12 @@ class StepCommit:
         if base is not None:
             parent = base.step
             changed = {n for r in reports for n in r["changed"]}
-            arrays = {n: delta_array(a, n in changed, base.step) for n, a in arrays.items()}
+            if job.composite is not None:  # stale groups refer to older steps (spec/delta.md §9)
+                arrays = {n: composite_array(a, n in changed, job.composite) for n, a in arrays.items()}
+                if job.composite.marker is not None:
+                    extensions = (job.composite.marker.to_extension(),)
+            else:
+                arrays = {n: delta_array(a, n in changed, base.step) for n, a in arrays.items()}
         if job.kind == "gradients":  # the parameters and optimizer state come from the replay
             assert job.grad is not None
             parent = job.grad.parent

@@ -14,6 +14,7 @@ from ucl.write.staging import StagingSlot
 
 if TYPE_CHECKING:  # an annotation only: ucl.write.kinds imports this module
     from ucl.write.kinds import GradientJob
+    from ucl.write.prune import CompositeJob
 
 
 @dataclass
@@ -36,6 +37,8 @@ class Job:
     kind: str = "full"  # decided by the persister: "full", "delta" or "gradients"
     changed: set[str] | None = None  # delta steps: arrays this rank wrote data for
     grad: GradientJob | None = None  # staged gradients: the step may be stored as gradient records
+    groups: dict[str, tuple[str, bool]] | None = None  # composite steps: each tensor's group, measured?
+    composite: CompositeJob | None = None  # decided by the persister: the groups a composite step stores
     documents: dict[str, tuple[int, int]] | None = None  # full steps: documents written beside the shards
     # seconds spent in each phase of persisting it (ucl.write.shards, ucl.write.commit), logged at DEBUG
     phases: dict[str, float] = field(default_factory=dict)

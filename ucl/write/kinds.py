@@ -18,13 +18,14 @@ from typing import Any
 import torch
 
 from ucl.delta.gradients import GradientTracker, locate, optimizer_fingerprint
-from ucl.errors import UCLError, WriteError
+from ucl.errors import InvalidArgumentError, UCLError, WriteError
 from ucl.format.metadata import ArrayMeta
 from ucl.format.records import GradientRecords, choose_encoding
 from ucl.plan import save as saveplan
 from ucl.write.collectives import Collectives
 from ucl.write.job import Job
 from ucl.write.policy import DeltaPolicy
+from ucl.write.prune import Composer, CompositeJob, group_map, optimizer_owners
 from ucl.write.staging import Staging, StagingSlot
 
 
@@ -45,7 +46,7 @@ class DeltaBase:
     """The staged copy of the committed step the next delta refers to (its slot kept busy)."""
 
     step: int
-    slot: StagingSlot
+    slot: StagingSlot | None  # None: composite steps' base, the Composer's own copy (no staging slot)
     staged: dict[str, torch.Tensor]
     plan_key: int
 
@@ -56,6 +57,18 @@ def delta_array(meta: ArrayMeta, changed: bool, parent: int) -> ArrayMeta:
     if changed:
         rec["encoding"] = choose_encoding(meta.name, meta.dtype)
     return replace(meta, delta=rec, compression=None)
+
+
+def composite_array(meta: ArrayMeta, changed: bool, job: CompositeJob) -> ArrayMeta:
+    """``meta`` as an array of a composite step (spec/delta.md §9): stale (a reference to the step that
+    carries its values, with their age), stored full, or a delta against its last stored version."""
+    name = meta.name
+    if name in job.stale:
+        base, age = job.stale[name]
+        return replace(meta, delta={"mode": "stale", "base_step": base, "age": age}, compression=None)
+    if name in job.write_full:
+        return meta
+    return delta_array(meta, changed, job.bases[name])
 
 
 class StepKinds:
@@ -76,6 +89,12 @@ class StepKinds:
     def __init__(self, policy: DeltaPolicy | None, staging: Staging, ctl: Collectives, rank: int,
                  world: int, inner_bytes: int) -> None:
         self.policy = policy
+        self.composer: Composer | None = None  # composite steps (DeltaPolicy(prune=...))
+        if policy is not None and policy.prune is not None:
+            if world != 1:
+                raise InvalidArgumentError(f"DeltaPolicy(prune=...): composite steps are written by one "
+                                           f"process for now, this manager has {world} ranks")
+            self.composer = Composer(policy.prune)
         self.inner_bytes = inner_bytes
         self._staging = staging
         self._ctl = ctl
@@ -150,6 +169,17 @@ class StepKinds:
             only = grads is not None and all(v[1] for v in votes)
         return grads, only
 
+    def groups(self, tensors: dict[str, torch.Tensor], optimizer: Any) -> dict[str, tuple[str, bool]] | None:
+        """Composite steps: each tensor's group (the caller thread; names and storage identity only).
+        With ``optimizer``, each parameter's optimizer state joins the parameter's group."""
+        if self.composer is None:
+            return None
+        owners = None
+        if optimizer is not None:
+            params, prefix = locate(optimizer, tensors)
+            owners = optimizer_owners(params, prefix, tensors)
+        return group_map(self.composer.prune, tensors, owners)
+
     def saved(self, step: int, optimizer: Any) -> None:
         """After a save staged its state: the next gradient records refer to ``step``."""
         if optimizer is not None and self._tracker is not None and self._tracker.optimizer is optimizer:
@@ -177,6 +207,10 @@ class StepKinds:
         if self.policy is None or self.base is None or self.base.plan_key != job.plan_key:
             return
         if self.policy.decide(self._since_full) == "delta":
+            if self.composer is not None:
+                if job.groups is None or not self.composer.usable(job.staged, job.groups, job.plan_key):
+                    return  # another set of tensors or groups: a full step
+                job.composite = self.composer.select(job.step, self.base.step, job.staged)
             job.kind = "delta"
             job.changed = set()
             if job.grad is not None and self._head == job.grad.parent:
@@ -200,10 +234,19 @@ class StepKinds:
         self._since_full = 0 if job.kind == "full" else (self._since_full or 0) + 1
         if job.kind == "gradients":
             return False  # its state is not stored as arrays: later deltas refer to the older base
+        if self.composer is not None:  # the composer keeps its own copy: no slot is kept
+            if job.kind == "full":
+                assert job.groups is not None
+                self.composer.reset(job.step, job.staged, job.groups, job.plan_key)
+            else:
+                assert job.composite is not None
+                self.composer.committed(job.step, job.composite, job.staged)
+            self.base = DeltaBase(job.step, None, self.composer.values, job.plan_key)
+            return False
         if self.policy.base == "full" and job.kind == "delta":
             return False  # deltas keep referring to the last full step
         old = self.base
         self.base = DeltaBase(job.step, job.slot, job.staged, job.plan_key)
-        if old is not None and old.slot is not job.slot:
+        if old is not None and old.slot is not None and old.slot is not job.slot:
             self._staging.release(old.slot)
         return True

@@ -209,6 +209,10 @@ class CheckpointManager:
             raise InvalidArgumentError("gradient records (DeltaPolicy(gradients=True)) are written by saves "
                                        "without a layout (one process, or data-parallel ranks holding the "
                                        "same state)")
+        if delta is not None and delta.prune is not None and layout is not None:
+            raise InvalidArgumentError("composite steps (DeltaPolicy(prune=...)) are written by saves "
+                                       "without a "
+                                       "layout, in one process")
         if interval is not None and not isinstance(interval, AdaptiveInterval):
             raise InvalidArgumentError(f"interval must be a ucl.write.policy.AdaptiveInterval, "
                                        f"got {interval!r}")
@@ -407,9 +411,10 @@ class CheckpointManager:
         """
         if self._closed:
             raise InvalidArgumentError("CheckpointManager is closed")
-        if optimizer is not None and (self.delta is None or not self.delta.gradients):
-            raise InvalidArgumentError("save(optimizer=...) is for gradient records: construct the manager "
-                                       "with delta=DeltaPolicy(gradients=True)")
+        if optimizer is not None and (self.delta is None or not (self.delta.gradients or self.delta.prune)):
+            raise InvalidArgumentError("save(optimizer=...) is for gradient records or composite steps: "
+                                       "construct the manager with delta=DeltaPolicy(gradients=True) or "
+                                       "DeltaPolicy(prune=...)")
         t0 = time.perf_counter()
         check_step(step)
         if step in self._committed_or_pending(step):
@@ -424,7 +429,10 @@ class CheckpointManager:
         if self._planner.dtensor:
             tensors = self._planner.dtensor_locals(tensors)
         plan = self._planner.plan(tensors)
-        grads = self._kinds.gradients(tensors, optimizer) if optimizer is not None else None
+        grads = None
+        if optimizer is not None and self.delta is not None and self.delta.gradients:
+            grads = self._kinds.gradients(tensors, optimizer)
+        groups = self._kinds.groups(tensors, optimizer)  # composite steps: each tensor's group
         grads, only = self._kinds.agree(grads)
         if self.world == 1:  # files of an earlier attempt that never committed (ranks > 1: `ucl gc`)
             self.repo.store.delete_prefix(step_prefix(step))
@@ -460,7 +468,7 @@ class CheckpointManager:
             pset = set(piece)
             sub = replace(plan, writes=[w for w in plan.writes if w.source in pset])
             self._queue.put(Job(step, sub, tree, staged, slot, future, last_piece=i == len(pieces) - 1,
-                                plan_key=id(plan), grad=grad_job))
+                                plan_key=id(plan), grad=grad_job, groups=groups))
         self._kinds.saved(step, optimizer)
         self._last_step = step
         handle.staged_s = time.perf_counter() - t0
@@ -557,7 +565,8 @@ class CheckpointManager:
             return [("repository", self.repo)]
         return [("memory", self.repo), ("durable", self.durable)]
 
-    def restore(self, step: int | None = None, *, rank_state: bool = False, handover: Any = None) -> Any:
+    def restore(self, step: int | None = None, *, rank_state: bool = False, handover: Any = None,
+                approximate: bool = False) -> Any:
         """The state dict of ``step`` (default: the latest committed), as it was saved.
 
         With a layout: this rank's local state under the manager's layout and mesh (from a step saved
@@ -573,15 +582,19 @@ class CheckpointManager:
         ``rank_state=True`` returns ``(state, this rank's rank_state)`` (None for a step saved without one),
         handed over by ``handover(old_states, new_world) -> new_states`` (default
         :func:`ucl.write.rank_state.default_handover`) when the data-parallel size changed. docs/state.md.
+
+        ``approximate=True`` also restores a composite step (``DeltaPolicy(prune=...)``, spec/delta.md §9),
+        with an ``ApproximateWarning`` naming its stale groups; without it such a step is refused
+        (``ApproximateStepError``).
         """
         t0 = time.perf_counter()
         if self.durable is None:
             repo = self.repo
             step = repo.latest() if step is None else step  # the step the log names (load reads the same)
-            out = self._load(repo, step)
+            out = self._load(repo, step, approximate)
             self.last_restore = RestoreReport(step, "repository", repo.url)
         else:
-            out, step, repo = self._restore_tiered(step)
+            out, step, repo = self._restore_tiered(step, approximate)
         self._events.restored(step, time.perf_counter() - t0, self.layout)
         if rank_state or handover is not None:
             assert step is not None  # load found no step otherwise
@@ -589,12 +602,13 @@ class CheckpointManager:
             return out, _rank_state.restored(tree, self.rank, self.world, self.mesh, handover)
         return out
 
-    def _load(self, repo: Repository, step: int | None) -> Any:
+    def _load(self, repo: Repository, step: int | None, approximate: bool = False) -> Any:
         if self.layout is not None:
-            return load(repo.store, step, layout=self.layout, mesh=self.mesh, rank=self.rank)
-        return load(repo.store, step)
+            return load(repo.store, step, layout=self.layout, mesh=self.mesh, rank=self.rank,
+                        approximate=approximate)
+        return load(repo.store, step, approximate=approximate)
 
-    def _restore_tiered(self, step: int | None) -> tuple[Any, int, Repository]:
+    def _restore_tiered(self, step: int | None, approximate: bool = False) -> tuple[Any, int, Repository]:
         """Try (step, tier) candidates newest first, fastest tier first, until every rank loaded one."""
         tiers = self._tiers()
         candidates: list[tuple[int, int]] = []  # (step, index in tiers)
@@ -609,7 +623,7 @@ class CheckpointManager:
             name, repo = tiers[i]
             out, why, bad = None, None, False
             try:
-                out = self._load(repo, s)
+                out = self._load(repo, s, approximate)
             except (IntegrityError, FormatError, CheckpointNotFoundError) as e:
                 why, bad = f"{e.code}: {e}", not isinstance(e, CheckpointNotFoundError)
             verdicts = self._ctl.allgather(why)

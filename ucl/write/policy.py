@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 
 from ucl.errors import InvalidArgumentError
+from ucl.write.prune import Prune, parse_policy_args
 
 __all__ = ["AdaptiveInterval", "DeltaPolicy", "daly_interval", "young_interval"]
 
@@ -210,12 +211,21 @@ class DeltaPolicy:
         Store a save taken one optimizer step after the previous one as that step's gradients (the
         ``ucl.gradient_records`` extension, spec/delta.md §8) when ``save(..., optimizer=)`` is given;
         readers replay the optimizer step. Other saves are full or delta steps as above.
+    prune : Prune or None
+        Composite steps (spec/delta.md §9, opt-in, lossy): a delta save stores only the groups of tensors
+        (a parameter with its optimizer state, by default a layer's) that changed more than
+        ``prune.threshold`` since their last stored version, and refers to older steps for the others;
+        such a step is marked approximate and readers refuse it unless asked for ``approximate=True``.
+        Needs ``base="previous"`` (a stale group's values are in an older step of the chain), one
+        process, and no layout; ``save(..., optimizer=)`` puts each parameter's optimizer state in its
+        group. Full steps every ``full_every`` saves, as above. docs/composite.md.
     """
 
     full_every: int | None = 8
     max_chain: int = 64
     base: str = "full"
     gradients: bool = False
+    prune: Prune | None = None
 
     def __post_init__(self) -> None:
         if self.full_every is not None and (
@@ -230,6 +240,14 @@ class DeltaPolicy:
             raise InvalidArgumentError(f"base must be 'previous' or 'full', got {self.base!r}")
         if not isinstance(self.gradients, bool):
             raise InvalidArgumentError(f"gradients must be a bool, got {self.gradients!r}")
+        if parse_policy_args(self.prune) is not None:
+            if self.base != "previous":
+                raise InvalidArgumentError("DeltaPolicy(prune=...) needs base='previous': a composite step "
+                                           "refers to older steps of its chain for the groups it does not "
+                                           "store")
+            if self.gradients:
+                raise InvalidArgumentError("DeltaPolicy: prune and gradients cannot be combined (a gradient "
+                                           "replay needs the exact parent state)")
 
     def decide(self, saves_since_full: int | None, previous_chain: int | None = None) -> str:
         """``"full"`` or ``"delta"`` for the next save.

@@ -87,6 +87,9 @@ class ShardWriter:
         jobs: list[tuple[str, Any, Any]] = []
         docs: list[tuple[str, int]] = []  # the step's documents (the coordinator's last piece of a full step)
         writes = [(w, job.staged) for w in job.plan.writes]
+        comp = job.composite
+        if comp is not None:  # a composite step: its stale groups are references, written nowhere
+            writes = [(w, st) for w, st in writes if w.source not in comp.stale]
         if job.kind == "gradients":
             assert job.grad is not None
             replayed = job.grad.replayed
@@ -105,7 +108,9 @@ class ShardWriter:
                 t = clock()
                 block = block_of(w, staged[w.source])
                 rel = w.array.shard_key(w.coords)
-                if base is not None and staged is job.staged:
+                delta = base is not None and staged is job.staged
+                if delta and (comp is None or w.source not in comp.write_full):
+                    assert base is not None
                     maybe = encode_delta_shard(w.array, w.coords, block, block_of(w, base.staged[w.source]),
                                                choose_encoding(w.array.name, w.array.dtype))
                     if maybe is None:
