@@ -166,10 +166,16 @@ _MAX_INNER_BYTES = 1 << 31  # spec/core.md §6 item 4
 _MAX_INNER_CHUNKS = 1 << 24
 
 
-@functools.lru_cache(maxsize=4096)
 def _divisors(n: int) -> tuple[int, ...]:
-    """The divisors of n (cached: a plan asks for the same dimensions many times, and a flat buffer's
-    ~10^9-element partition takes 30,000 steps)."""
+    """The divisors of n, as Python ints (a numpy integer would overflow in the callers' products)."""
+    return _divisors_of(int(n))
+
+
+@functools.lru_cache(maxsize=4096)
+def _divisors_of(n: int) -> tuple[int, ...]:
+    # cached: a plan asks for the same dimensions many times, and a flat buffer's ~10^9-element
+    # partition takes 30,000 steps; keyed by a Python int only (lru_cache would hand a numpy integer's
+    # result, overflowing products included, to an equal int)
     out = []
     i = 1
     while i * i <= n:
