@@ -12,6 +12,8 @@ from ucl.layout import Mesh, parse_layout
 from ucl.testing.layout_reference import shard_local_state
 from ucl.write.manager import CheckpointManager
 
+from tests.reshard.gptstate import nest  # the state as a training loop holds it
+
 TP = 4
 
 
@@ -36,18 +38,6 @@ def full_state(uneven: bool, step: int) -> dict[str, torch.Tensor]:
         out[f"l.{i}.w"] = torch.randn(8, 12, generator=g)
         out[f"l.{i}.b"] = torch.randn(8, generator=g)
         out[f"opt/l.{i}.w/exp_avg"] = torch.randn(8, 12, generator=g)
-    return out
-
-
-def nest(flat: dict[str, Any]) -> dict[str, Any]:
-    """{"a/b": t} -> {"a": {"b": t}}: the state as a training loop holds it."""
-    out: dict[str, Any] = {}
-    for name, t in flat.items():
-        *head, last = name.split("/")
-        d = out
-        for h in head:
-            d = d.setdefault(h, {})
-        d[last] = t
     return out
 
 

@@ -59,6 +59,16 @@ def _keys(d: Any, what: str, required: set[str], optional: set[str] = frozenset(
     return d
 
 
+def _configuration(ext: Any, name: str, what: str, required: set[str], why: str = "") -> dict[str, Any]:
+    """The checked ``configuration`` of a step extension that readers must understand (spec/core.md §9)."""
+    _keys(ext, what, {"name", "configuration"}, {"must_understand"})
+    if ext["name"] != name:
+        raise SchemaError(f"{what}: name must be {name!r}")
+    if ext.get("must_understand", True) is not True:
+        raise SchemaError(f"{what}: must_understand must be true{why}")
+    return _keys(ext["configuration"], f"{what} configuration", required)
+
+
 @dataclass(frozen=True)
 class DeltaRecord:
     """``attributes.ucl.delta`` of an array in a delta step.
@@ -215,13 +225,8 @@ class GradientRecords:
 
     @classmethod
     def from_extension(cls, ext: Any, what: str = GRADIENT_RECORDS) -> GradientRecords:
-        _keys(ext, what, {"name", "configuration"}, {"must_understand"})
-        if ext["name"] != GRADIENT_RECORDS:
-            raise SchemaError(f"{what}: name must be {GRADIENT_RECORDS!r}")
-        if ext.get("must_understand", True) is not True:
-            raise SchemaError(f"{what}: must_understand must be true")
-        conf = _keys(ext["configuration"], f"{what} configuration",
-                     {"base_step", "gradients", "parameters", "optimizer_state", "param_groups", "fingerprint"})
+        conf = _configuration(ext, GRADIENT_RECORDS, what, {"base_step", "gradients", "parameters",
+                                                            "optimizer_state", "param_groups", "fingerprint"})
         if not isinstance(conf["gradients"], str) or not conf["gradients"]:
             raise SchemaError(f"{what}: gradients must be a non-empty string prefix")
         if not isinstance(conf["optimizer_state"], str) or not conf["optimizer_state"]:
@@ -319,13 +324,8 @@ class Composite:
 
     @classmethod
     def from_extension(cls, ext: Any, what: str = COMPOSITE) -> Composite:
-        _keys(ext, what, {"name", "configuration"}, {"must_understand"})
-        if ext["name"] != COMPOSITE:
-            raise SchemaError(f"{what}: name must be {COMPOSITE!r}")
-        if ext.get("must_understand", True) is not True:
-            raise SchemaError(f"{what}: must_understand must be true (a reader must not present it as exact)")
-        conf = _keys(ext["configuration"], f"{what} configuration",
-                     {"groups", "threshold", "top_k", "max_age", "stale"})
+        conf = _configuration(ext, COMPOSITE, what, {"groups", "threshold", "top_k", "max_age", "stale"},
+                              " (a reader must not present it as exact)")
         top_k = conf["top_k"]
         if top_k is not None:
             top_k = _int(top_k, f"{what}: top_k", lo=1)

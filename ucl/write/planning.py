@@ -126,7 +126,8 @@ class Planner:
         parsed: list[summary_mod.PlanSummary] = []
         if self.rank == 0 and summary is not None and all(s is not None for s in summaries):
             parsed = [summary_mod.PlanSummary.from_tuple(s) for s in summaries]
-            ask = {"reps": summary_mod.representatives(parsed, parsed[0].arrays), "have": digests}
+            reps = summary_mod.representatives(parsed, parsed[0].arrays)
+            ask = {"reps": reps, "have": digests if reps else {}}  # digests only for representatives
         ask = self._ctl.broadcast(ask)
         if ask is None:
             return None
