@@ -21,6 +21,7 @@ from tests.fuzz.strategies import (
     seal_commit,
     ucl_outcome,
 )
+from ucl.errors import SchemaError
 from ucl.format import metadata, names
 from ucl.format.metadata import MAX_ELEMENTS, MAX_INNER_CHUNKS_PER_SHARD, ArrayMeta, CommitRecord, StepMeta
 
@@ -48,7 +49,7 @@ def check_array(meta: ArrayMeta) -> None:
     assert all(type(x) is int and x >= 0 for x in meta.shape)
     assert all(type(x) is int and x > 0 for x in (*meta.chunk_shape, *meta.inner_chunk_shape))
     assert names.from_key(meta.key) == meta.name
-    assert ArrayMeta.from_dict(meta.to_dict(), "round trip") == meta
+    assert ArrayMeta.from_dict(meta.to_dict(with_logical=True), "round trip") == meta
 
 
 def parse_array(doc: Any) -> None:
@@ -92,6 +93,25 @@ def test_valid_documents_parse() -> None:
     parse_step(STEP_DOC)
     parse_step(NAMES_STEP_DOC)
     parse_commit(COMMIT_RAW)
+
+
+def _with_logical(logical: Any) -> Any:
+    doc = json.loads(json.dumps(ARRAY_DOCS[0]))
+    doc["attributes"]["ucl"]["logical"] = logical
+    return doc
+
+
+def test_an_empty_logical_record_is_no_record() -> None:
+    # CI's fuzzing found {"logical": {}} kept as a record that to_dict then dropped (spec/layout.md §6.2:
+    # a writer omits the record or writes {})
+    check_array(meta := ArrayMeta.from_dict(_with_logical({}), "fixture"))
+    assert meta.logical is None
+
+
+@pytest.mark.parametrize("logical", [[], 0, "", False, {"tensors": []}])
+def test_a_falsy_or_malformed_logical_record_is_refused(logical: Any) -> None:
+    with pytest.raises(SchemaError, match="logical"):
+        ArrayMeta.from_dict(_with_logical(logical), "fixture")
 
 
 @CI

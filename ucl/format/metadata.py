@@ -347,8 +347,9 @@ class ArrayMeta:
         if [_strip(c) for c in shard["index_codecs"]] != [_BYTES_LE, _CRC]:
             raise SchemaError(f"{what}: index codecs must be [bytes little-endian, crc32c]", tensor=name, file=what)
         logical = attrs.get("logical")
-        if logical:
+        if logical is not None:
             check_logical(logical, what, name)
+            logical = logical or None  # {} is "no record" (spec/layout.md §6.2)
         return cls(name=name, shape=shape, dtype=dtype, chunk_shape=chunk, inner_chunk_shape=inner,
                    compression=compression, delta=delta, logical=logical)
 
