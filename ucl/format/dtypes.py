@@ -1,13 +1,12 @@
 """Data types: torch <-> the spec's names (zarr v3 / tensorstore spellings) <-> numpy (ml_dtypes).
 
 bfloat16 and float8 are not core zarr v3 types; tensorstore reads them natively under these names and
-zarr-python does after ``import ucl`` (registered here, and by entry point, see pyproject.toml).
+zarr-python does with :mod:`ucl.format.zarr_dtypes` (no torch needed): zarr >= 3.4 finds them through
+ucl's entry points (pyproject.toml); zarr 3.1 never loads data-type entry points, so there
+:func:`register_zarr_dtypes` registers them (``ucl.zarr_store`` does).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import ClassVar
 
 import ml_dtypes
 import numpy as np
@@ -102,68 +101,9 @@ def fill_value_json(name: str) -> bool | int | float | list[float]:
     return 0.0
 
 
-# -- zarr-python registration ----------------------------------------------------------------------
-def _zarr_types() -> list[type]:
-    from zarr.core.dtype.npy.float import BaseFloat
-
-    @dataclass(frozen=True, kw_only=True)
-    class _MLFloat(BaseFloat):  # type: ignore[type-arg]
-        _zarr_v2_names: ClassVar[tuple[str, ...]] = ()
-
-        @classmethod
-        def _check_native_dtype(cls, dtype: object) -> bool:
-            return isinstance(dtype, np.dtype) and dtype == cls._np
-
-        @classmethod
-        def from_native_dtype(cls, dtype: object):  # type: ignore[no-untyped-def]
-            if cls._check_native_dtype(dtype):
-                return cls()
-            from zarr.core.dtype.common import DataTypeValidationError
-
-            raise DataTypeValidationError(f"Invalid data type: {dtype}. Expected {cls._np}")
-
-        def to_native_dtype(self):  # type: ignore[no-untyped-def]
-            return self._np
-
-        @property
-        def item_size(self) -> int:
-            return int(self._np.itemsize)
-
-    def make(name: str) -> type:
-        np_dtype = _TABLE[name][1]
-        return type(
-            f"ZarrDType_{name}",
-            (_MLFloat,),
-            {"_zarr_v3_name": name, "_np": np_dtype, "dtype_cls": type(np_dtype), "__module__": __name__},
-        )
-
-    return [dataclass(frozen=True, kw_only=True)(make(n)) for n in ("bfloat16", "float8_e4m3fn", "float8_e5m2")]
-
-
-class _Lazy:
-    """Entry-point targets: resolved on first use, so importing ucl.format.dtypes does not import zarr."""
-
-    _types: ClassVar[list[type] | None] = None
-
-    @classmethod
-    def get(cls, i: int) -> type:
-        if cls._types is None:
-            cls._types = _zarr_types()
-        return cls._types[i]
-
-
 def register_zarr_dtypes() -> None:
-    """Register bfloat16 and float8 with zarr-python's data-type registry (idempotent)."""
-    from zarr.core.dtype import data_type_registry
+    """Register bfloat16 and float8 with zarr-python's data-type registry (idempotent; the classes live in
+    :mod:`ucl.format.zarr_dtypes`, which needs no torch)."""
+    from ucl.format import zarr_dtypes
 
-    for i in range(3):
-        t = _Lazy.get(i)
-        if t._zarr_v3_name not in data_type_registry.contents:  # type: ignore[attr-defined]
-            data_type_registry.register(t._zarr_v3_name, t)  # type: ignore[attr-defined]
-
-
-def __getattr__(attr: str) -> type:  # entry points name ucl.format.dtypes:BFloat16 etc.
-    names = {"BFloat16": 0, "Float8E4M3FN": 1, "Float8E5M2": 2}
-    if attr in names:
-        return _Lazy.get(names[attr])
-    raise AttributeError(attr)
+    zarr_dtypes.register()
