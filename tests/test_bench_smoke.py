@@ -88,3 +88,24 @@ def test_peers_bench_prints_the_table_with_probes_and_phases(tmp_path: Path) -> 
     # the same-run write probe, and ucl's phases
     assert rows["save durable, steady"][5] != "-"
     assert "where the time goes" in out and "| steady" in out
+
+
+def test_composite_bench_prints_both_tables(tmp_path: Path) -> None:
+    """bench/composite.py at the tiny preset: a row per policy in the saves table, a row per composite
+    threshold in the resume table, and the seeds' repositories removed when it made them itself."""
+    bench = ROOT / "bench" / "composite.py"
+    args = ["--preset", "tiny", "--warmup", "2", "--saves", "3", "--resume", "2", "--seeds", "2",
+            "--thresholds", "0", "0.5"]
+    proc = subprocess.run([sys.executable, str(bench), *args], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore", "TMPDIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(proc.stdout)
+    names = ["full", "lossless delta", "composite t=0", "composite t=0.5"]
+    for name in names:
+        assert name in rows, f"no row for {name!r} in:\n{proc.stdout}"
+    # threshold 0 stores every changed group: the bytes per step equal lossless deltas' (spec/delta.md §9)
+    assert rows["composite t=0"][0] == rows["lossless delta"][0]
+    assert float(rows["full"][1].rstrip("x")) == 1.0
+    resume = [line for line in proc.stdout.splitlines() if line.startswith("| composite t=")]
+    assert len(resume) == 4  # two in each table
+    assert not list(tmp_path.glob("ucl-composite-*"))  # its own temporary directory is gone

@@ -20,21 +20,24 @@ def run(cmd: list[str], timeout: float = 240) -> None:
     assert r.returncode == 0, r.stderr[-4000:]
 
 
-def kill_then_resume(cmd: list[str], root: Path, out: Path, kill_at: int, timeout: float = 240) -> None:
-    """``cmd`` (a driver and its positional arguments) killed with SIGKILL at ``kill_at``, then resumed."""
-    p = subprocess.Popen([sys.executable, *cmd, "--kill-at", str(kill_at)], env=ENV,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def kill_then_resume(cmd: list[str], root: Path, out: Path, kill_at: int, timeout: float = 240,
+                     extra: list[str] = ()) -> None:
+    """``cmd`` (a driver and its positional arguments; then ``extra``) killed with SIGKILL at ``kill_at``,
+    with every process it started (a session of its own: a multi-process strategy's other ranks die
+    with it, as on a lost node), then resumed."""
+    p = subprocess.Popen([sys.executable, *cmd, "--kill-at", str(kill_at), *extra], env=ENV,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.monotonic() + timeout
     while not (root / "killme").exists():
         assert p.poll() is None, p.stderr.read().decode()[-4000:] if p.stderr else "driver exited"
         assert time.monotonic() < deadline, "driver never reached the kill point"
         time.sleep(0.05)
-    p.send_signal(signal.SIGKILL)
+    os.killpg(p.pid, signal.SIGKILL)
     p.wait()
     if p.stderr is not None:
         p.stderr.close()
     assert p.returncode == -signal.SIGKILL
-    run([*cmd[:-1], str(out), "--resume"], timeout)
+    run([*cmd[:-1], str(out), "--resume", *extra], timeout)
 
 
 def assert_identical(a_path: Path, b_path: Path) -> None:

@@ -1,11 +1,12 @@
 """A tiny deterministic Lightning fit checkpointing through ucl (run as a child by test_lightning.py).
 
-    python lightning_driver.py MODE ROOT OUT [--kill-at STEP] [--resume]
+    python lightning_driver.py MODE ROOT OUT [--kill-at STEP] [--resume] [--devices N]
 
 MODE: sync (UclCheckpointIO()), async (UclCheckpointIO(async_save=True)), wrapper
 (Lightning's AsyncCheckpointIO(UclCheckpointIO())). With --kill-at the run writes ROOT/killme once
 global_step reaches STEP and blocks, for the parent to SIGKILL it. With --resume it fits with
-ckpt_path="last". At the end it writes the final parameters and optimizer state to OUT (torch.save).
+ckpt_path="last". With --devices 2 it fits under strategy="ddp" (two CPU processes over gloo, Lightning
+launching the second). At the end it writes the final parameters and optimizer state to OUT (torch.save).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--kill-at", type=int)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--devices", type=int, default=1)
     a = ap.parse_args()
     L.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(0)
@@ -103,11 +105,14 @@ def main() -> None:
                                        save_on_train_epoch_end=True, save_top_k=1, save_last=True)]
     if a.kill_at is not None:
         callbacks.append(KillAt(a.root, a.kill_at))
-    trainer = L.Trainer(max_steps=MAX_STEPS, accelerator="cpu", devices=1, logger=False, callbacks=callbacks,
+    ddp = {"devices": a.devices, "strategy": "ddp"} if a.devices > 1 else {"devices": 1}
+    trainer = L.Trainer(max_steps=MAX_STEPS, accelerator="cpu", **ddp, logger=False, callbacks=callbacks,
                         plugins=[p for p in [plugin(a.mode)] if p is not None], enable_progress_bar=False, enable_model_summary=False,
                         deterministic=True, default_root_dir=a.root)
     trainer.fit(model, loader, ckpt_path="last" if a.resume else None)
     opt = trainer.optimizers[0]
+    if trainer.global_rank != 0:
+        return
     torch.save({"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
                 "optim": opt.state_dict(), "global_step": trainer.global_step}, a.out)
 

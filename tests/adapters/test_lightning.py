@@ -97,3 +97,22 @@ def test_kill_and_resume_identical(mode, tmp_path, torch_resumed) -> None:
     assert not (tmp_path / "ckpt" / "last.ckpt").is_file()
     assert_identical(tmp_path / "final.pt", torch_resumed)
     assert os.path.exists(tmp_path / "final.pt")
+
+
+def test_ddp_kill_and_resume_identical(tmp_path) -> None:
+    """strategy="ddp" over two CPU processes: Lightning hands only global rank 0's CheckpointIO the
+    checkpoint, which saves alone (no collective the other rank would have to join) and asynchronously;
+    both ranks are SIGKILLed together (their session), then ``fit(ckpt_path="last")`` on two fresh
+    processes equals the same kill and resume through Lightning's TorchCheckpointIO, bit for bit."""
+    ref, ours = tmp_path / "torch", tmp_path / "ucl"
+    ref.mkdir()
+    ours.mkdir()
+    two = ["--devices", "2"]
+    kill_then_resume([DRIVER, "torch", str(ref), str(ref / "x.pt")], ref, ref / "final.pt", 10, extra=two)
+    kill_then_resume([DRIVER, "async", str(ours), str(ours / "x.pt")], ours, ours / "final.pt", 10, extra=two)
+    import ucl
+
+    last = ours / "ckpt" / "last.ckpt"
+    assert (last / "commits").is_dir() and len(ucl.Repository.open(last).steps()) == 1  # keep_last=1 held
+    assert ucl.validate(last).ok
+    assert_identical(ours / "final.pt", ref / "final.pt")

@@ -27,6 +27,23 @@ def save_replicated(rank: int, world: int, path: str, steps: int) -> dict[str, A
     return {"rank": rank, "writes": written[0]}
 
 
+def save_alone(rank: int, world: int, path: str, steps: int) -> dict[str, Any]:
+    """Only rank 0 saves (no_dist=True) while the world is initialised; the other rank issues no
+    collective until both meet at a barrier after rank 0's manager is closed. A manager that issued
+    any collective would leave rank 0 waiting for rank 1 forever."""
+    import torch.distributed as dist
+
+    ranks = None
+    if rank == 0:
+        with CheckpointManager(path, no_dist=True, keep_last=2) as mgr:
+            for step in range(steps):
+                mgr.save(step, replicated_state(step))
+            mgr.wait()
+            ranks = (mgr.rank, mgr.world)
+    dist.barrier()
+    return {"rank": rank, "manager": ranks}
+
+
 def save_with_failing_rank(rank: int, world: int, path: str, bad_rank: int) -> dict[str, Any]:
     with CheckpointManager(path) as mgr:
         mgr.save(0, replicated_state(0)).result()

@@ -32,6 +32,16 @@ def test_replicated_state_is_written_once_balanced(tmp_path, world) -> None:
     assert ucl.validate(tmp_path).ok
 
 
+def test_no_dist_saves_alone_under_an_initialised_world(tmp_path) -> None:
+    """no_dist=True: rank 0 saves and prunes as a world of one while rank 1 waits at a barrier."""
+    results = dist.run(2, "tests.write.dist_cases:save_alone", {"path": str(tmp_path), "steps": 3}, timeout=120)
+    assert results[0]["manager"] == [0, 1] and results[1]["manager"] is None
+    assert ucl.Repository.open(tmp_path).steps() == [1, 2]  # keep_last=2
+    got = ucl.load(tmp_path, 2)
+    assert all(torch.equal(got["model"][k], v) for k, v in replicated_state(2)["model"].items())
+    assert ucl.validate(tmp_path).ok
+
+
 def test_a_failing_rank_fails_every_handle_and_commits_nothing(tmp_path) -> None:
     results = dist.run(2, "tests.write.dist_cases:save_with_failing_rank", {"path": str(tmp_path), "bad_rank": 1})
     for r in results:

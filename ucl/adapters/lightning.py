@@ -26,6 +26,13 @@ committed in the background, a later save to the same path waits for a staging s
 failure surfaces at the next call. Lightning's own ``AsyncCheckpointIO(UclCheckpointIO())`` works too (a
 thread calling the synchronous plugin on a clone).
 
+Under a multi-process strategy that replicates the model (``strategy="ddp"``) Lightning calls only
+global rank 0's ``CheckpointIO``, with the whole checkpoint: that rank's manager saves alone
+(``CheckpointManager(no_dist=True)``: no collective the other ranks would have to join), asynchronously
+and with the same retention as on one process. Lightning's sharded strategies (FSDP's
+``state_dict_type="sharded"``, DeepSpeed) write their own files without a ``CheckpointIO``: save such
+state with ``CheckpointManager`` directly (``ucl.layout`` for FSDP, DeepSpeed and Megatron shards).
+
 Lightning is imported when this module is (``import ucl`` never imports it).
 """
 
@@ -44,7 +51,6 @@ from ucl.options import DEFAULT_WRITE, WriteOptions
 from ucl.read.load import load
 from ucl.write.handle import SaveHandle
 from ucl.write.manager import CheckpointManager
-from ucl.write.save import save
 
 __all__ = ["UclCheckpointIO"]
 
@@ -90,14 +96,6 @@ class UclCheckpointIO(CheckpointIO):
         gs = checkpoint.get("global_step")
         with self._lock:
             self._raise_failed(key)
-            if _distributed():
-                # only global rank 0 calls a CheckpointIO: the manager's collectives would wait for the
-                # other ranks, so this rank writes alone with the synchronous writer
-                step = self._next_step(key, gs, None)
-                save(state, key, step=step, compression=self._kw["compression"], options=self._kw["options"])
-                self._last[key] = step
-                _touch(key)
-                return
             mgr = self._manager(key)
             step = self._next_step(key, gs, mgr)
             handle = mgr.save(step, state)
@@ -146,7 +144,9 @@ class UclCheckpointIO(CheckpointIO):
     def _manager(self, key: str) -> CheckpointManager:
         mgr = self._managers.get(key)
         if mgr is None:
-            mgr = CheckpointManager(key, keep_last=self.keep_last, **self._kw)
+            # under a multi-process strategy only global rank 0 calls a CheckpointIO, with the whole
+            # (replicated) checkpoint: it saves alone (no_dist), the other ranks issue no collective
+            mgr = CheckpointManager(key, keep_last=self.keep_last, no_dist=_distributed(), **self._kw)
             self._managers[key] = mgr
         return mgr
 

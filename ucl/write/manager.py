@@ -101,6 +101,10 @@ class CheckpointManager:
         A ``torch.distributed`` group for a distributed save (default: the world when initialised);
         the manager makes its own gloo group for coordination so it never interleaves with training's
         collectives.
+    no_dist
+        True: this process saves alone, as in a world of one, even with torch.distributed initialised
+        (as DCP's ``no_dist``): for a state only one rank holds and saves, e.g. what Lightning hands
+        its rank 0's CheckpointIO. No collective is ever issued.
     compression
         None (default) or ``"zstd"`` (level 1) for the arrays' shards.
     options
@@ -176,8 +180,8 @@ class CheckpointManager:
 
     def __init__(self, path: Any, *, keep_last: int | None = None, keep_every: int | None = None,
                  when_busy: str = "wait", staging_bytes: int | None = None, writer_threads: int = 4,
-                 direct: bool | None = None, process_group: Any = None, compression: str | None = None,
-                 delta: Any = None, interval: AdaptiveInterval | None = None,
+                 direct: bool | None = None, process_group: Any = None, no_dist: bool = False,
+                 compression: str | None = None, delta: Any = None, interval: AdaptiveInterval | None = None,
                  storage_options: dict[str, Any] | None = None, timeout: float = 600.0,
                  layout: Any = None, mesh: Any = None, options: WriteOptions = DEFAULT_WRITE,
                  prepare: Any = None, memory: MemoryTier | None = None) -> None:
@@ -226,7 +230,9 @@ class CheckpointManager:
             self.layout = as_layout(layout)
         elif layout is None and mesh is not None:
             raise InvalidArgumentError("mesh= needs a layout= to go with it")
-        self._dist = Collectives.make(process_group, timeout)
+        if no_dist and process_group is not None:
+            raise InvalidArgumentError("no_dist=True saves without any process group: pass no process_group")
+        self._dist = Collectives(None, 0, 1) if no_dist else Collectives.make(process_group, timeout)
         self.rank, self.world = self._dist.rank, self._dist.world
         # a second group for the collectives of the caller's thread (save_if_due, layout plans, gradient
         # records): the persister's commit collectives run concurrently on the first, and two threads must
