@@ -23,6 +23,10 @@ Check = Callable[[Any], bool]
 # keywords that only annotate: no effect on validity
 _ANNOTATIONS = frozenset({"$schema", "$id", "$comment", "$defs", "title", "description", "examples", "default"})
 
+# the keywords compiled together by Compiler._object (with "type" when it is "object")
+_OBJECT_KEYWORDS = frozenset({"type", "properties", "patternProperties", "additionalProperties", "required",
+                              "propertyNames", "minProperties", "maxProperties", "dependentRequired"})
+
 _TYPES: dict[str, Callable[[Any], bool]] = {
     "object": lambda x: isinstance(x, dict),
     "array": lambda x: isinstance(x, list),
@@ -102,8 +106,13 @@ class Compiler:
         if s is False:
             return lambda x: False
         checks: list[Check] = []
+        fused = _OBJECT_KEYWORDS.intersection(s) if "type" not in s or s["type"] == "object" else set()
+        if fused & {"properties", "patternProperties", "additionalProperties", "required"}:
+            checks.append(self._object(s, base))
+        else:
+            fused = set()
         for k, v in s.items():
-            if k in _ANNOTATIONS or k in ("then", "else"):
+            if k in _ANNOTATIONS or k in ("then", "else") or k in fused:
                 continue
             checks.append(self._keyword(k, v, s, base))
         if not checks:
@@ -111,7 +120,55 @@ class Compiler:
         if len(checks) == 1:
             return checks[0]
         tup = tuple(checks)
-        return lambda x: all(c(x) for c in tup)
+
+        def every(x: Any) -> bool:  # loops, not all(genexpr): the hot path of every document check
+            for c in tup:
+                if not c(x):
+                    return False
+            return True
+        return every
+
+    def _object(self, s: Mapping[str, Any], base: str) -> Check:
+        """``type: object`` (when given) and the keywords on an object's members, in one pass over it:
+        the shape of nearly every node of a ucl document, so its cost is most of a document's check."""
+        is_object = s.get("type") == "object"
+        req = tuple(s.get("required", ()))
+        props = {name: self._schema(sub, base) for name, sub in s.get("properties", {}).items()}
+        pats = tuple((re.compile(p), self._schema(sub, base)) for p, sub in s.get("patternProperties", {}).items())
+        addl = self._schema(s["additionalProperties"], base) if "additionalProperties" in s else None
+        names = self._schema(s["propertyNames"], base) if "propertyNames" in s else None
+        lo, hi = s.get("minProperties"), s.get("maxProperties")
+        deps = tuple((n, tuple(r)) for n, r in s.get("dependentRequired", {}).items())
+
+        def check(x: Any) -> bool:
+            if not isinstance(x, dict):
+                return not is_object
+            for n in req:
+                if n not in x:
+                    return False
+            if (lo is not None and len(x) < lo) or (hi is not None and len(x) > hi):
+                return False
+            for n, rs in deps:
+                if n in x:
+                    for r in rs:
+                        if r not in x:
+                            return False
+            for key, val in x.items():
+                if names is not None and not names(key):
+                    return False
+                c = props.get(key)
+                if c is not None and not c(val):
+                    return False
+                matched = False
+                for p, pc in pats:
+                    if p.search(key):
+                        matched = True
+                        if not pc(val):
+                            return False
+                if c is None and not matched and addl is not None and not addl(val):
+                    return False
+            return True
+        return check
 
     def _keyword(self, k: str, v: Any, s: Mapping[str, Any], base: str) -> Check:  # noqa: C901 - a dispatch
         if k == "type":
@@ -132,7 +189,15 @@ class Compiler:
             return lambda x: any(json_equal(x, e) for e in v)
         if k == "properties":
             props = tuple((name, self._schema(sub, base)) for name, sub in v.items())
-            return lambda x: not isinstance(x, dict) or all(c(x[n]) for n, c in props if n in x)
+
+            def properties(x: Any) -> bool:
+                if not isinstance(x, dict):
+                    return True
+                for n, c in props:
+                    if n in x and not c(x[n]):
+                        return False
+                return True
+            return properties
         if k == "patternProperties":
             pats = tuple((re.compile(p), self._schema(sub, base)) for p, sub in v.items())
             return lambda x: not isinstance(x, dict) or all(
@@ -154,10 +219,26 @@ class Compiler:
             return additional
         if k == "required":
             req = tuple(v)
-            return lambda x: not isinstance(x, dict) or all(n in x for n in req)
+
+            def required(x: Any) -> bool:
+                if not isinstance(x, dict):
+                    return True
+                for n in req:
+                    if n not in x:
+                        return False
+                return True
+            return required
         if k == "propertyNames":
             sub = self._schema(v, base)
-            return lambda x: not isinstance(x, dict) or all(sub(key) for key in x)
+
+            def property_names(x: Any) -> bool:
+                if not isinstance(x, dict):
+                    return True
+                for key in x:
+                    if not sub(key):
+                        return False
+                return True
+            return property_names
         if k == "maxProperties":
             return lambda x: not isinstance(x, dict) or len(x) <= v
         if k == "minProperties":
@@ -169,7 +250,15 @@ class Compiler:
         if k == "items":
             sub = self._schema(v, base)
             skip = len(s.get("prefixItems", ()))
-            return lambda x: not isinstance(x, list) or all(sub(e) for e in x[skip:])
+
+            def items(x: Any) -> bool:
+                if not isinstance(x, list):
+                    return True
+                for e in (x[skip:] if skip else x):
+                    if not sub(e):
+                        return False
+                return True
+            return items
         if k == "prefixItems":
             subs = tuple(self._schema(e, base) for e in v)
             return lambda x: not isinstance(x, list) or all(c(e) for c, e in zip(subs, x, strict=False))
@@ -199,10 +288,22 @@ class Compiler:
             return lambda x: not isinstance(x, str) or p.search(x) is not None
         if k == "allOf":
             subs = tuple(self._schema(e, base) for e in v)
-            return lambda x: all(c(x) for c in subs)
+
+            def all_of(x: Any) -> bool:
+                for c in subs:
+                    if not c(x):
+                        return False
+                return True
+            return all_of
         if k == "anyOf":
             subs = tuple(self._schema(e, base) for e in v)
-            return lambda x: any(c(x) for c in subs)
+
+            def any_of(x: Any) -> bool:
+                for c in subs:
+                    if c(x):
+                        return True
+                return False
+            return any_of
         if k == "oneOf":
             subs = tuple(self._schema(e, base) for e in v)
             return lambda x: sum(1 for c in subs if c(x)) == 1

@@ -31,7 +31,6 @@ node; a larger numpy array of the state is stored as a tensor (an array of the s
 
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1  # the integers a JSON document holds (§3.4 item 3)
 _MAX_INT_DIGITS = 4300  # Python's default bound on int <-> str conversions
-_NP_NAMES = {dtypes.to_numpy(n): n for n in dtypes.SPEC_DTYPES}
 _KINDS = ("dict", "list", "tuple", "tensor", "value", "float", "int", "bytes", "numpy", "ndarray",
           "namespace", "pyrandom")
 
@@ -52,7 +51,7 @@ def _unb64(s: Any) -> bytes | None:
 
 
 def _np_name(dt: np.dtype, what: str, path: list[str]) -> str:
-    name = _NP_NAMES.get(dt.newbyteorder("=")) if dt.fields is None else None
+    name = dtypes.from_numpy(dt.newbyteorder("=")) if dt.fields is None else None
     if name is None:
         raise InvalidArgumentError(
             f"state dict value at {'/'.join(path)!r} is a {what} of dtype {dt}; ucl stores numpy values of "
@@ -95,7 +94,8 @@ def _tensor_from_numpy(arr: np.ndarray) -> torch.Tensor:
     arr = np.ascontiguousarray(arr.astype(arr.dtype.newbyteorder("="), copy=False))
     if not arr.flags.writeable:
         arr = arr.copy()
-    name = _NP_NAMES[arr.dtype]
+    name = dtypes.from_numpy(arr.dtype)
+    assert name is not None, arr.dtype  # checked by _np_name when the value was stored
     if name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
         bits = torch.from_numpy(arr.view(np.uint16 if arr.dtype.itemsize == 2 else np.uint8))
         return bits.view(dtypes.to_torch(name))
