@@ -174,7 +174,7 @@ def test_a_rank_missing_a_tensor_leaves_a_chunk_unwritten():
         ('"a": shard(0 tp)', "line 2, column 14: expected ',', found 'tp'"),
         (
             '"a": spread(0, tp)',
-            "line 2, column 6: expected a transform (replicate, shard, fused, pad, size, partial), "
+            "line 2, column 6: expected a transform (replicate, shard, fused, grouped, pad, size, partial), "
             "found 'spread'",
         ),
         ("mesh tp=2\nmesh dp=2", "line 3, column 1: expected one mesh statement at most, found 'mesh'"),
@@ -194,8 +194,14 @@ def test_header_is_required():
         errors.LayoutSyntaxError, "line 1, column 1: expected 'ucl-layout 1' on the first line, found 'mesh'"
     ):
         parse_layout("mesh tp=2\n")
-    with raises(errors.LayoutSyntaxError, "line 1, column 12: layout version 2; this implementation reads 1"):
-        parse_layout("ucl-layout 2\n")
+    with raises(errors.LayoutSyntaxError, "line 1, column 12: layout version 3; this implementation reads 1, 2"):
+        parse_layout("ucl-layout 3\n")
+    assert parse_layout("ucl-layout 2\n").version == 2  # a version 2 document need not use grouped
+    with raises(errors.InvalidLayoutError, "line 1, column 1: grouped (spec/layout.md §7.10) needs layout version 2; "
+                "this layout declares version 1"):
+        parse_layout('ucl-layout 1\n"w": grouped(0, 2, q=4, k=2, v=2)\n')
+    with raises(errors.InvalidLayoutError, "line 2, column 1: grouped part 'k' has 3 units, not a multiple of its 2 groups"):
+        parse_layout('ucl-layout 2\n"w": grouped(0, 2, q=4, k=3, v=2)\n')
 
 
 @pytest.mark.parametrize(
@@ -240,11 +246,13 @@ def test_invalid_layouts(text, message):
 def test_json_form_refuses_unknown_fields():
     with raises(errors.InvalidLayoutError, "layout has unknown fields ['extra']"):
         Layout.from_dict({"ucl_layout": 1, "extra": 1})
-    with raises(errors.InvalidLayoutError, "layout version 2; this implementation reads version 1"):
-        Layout.from_dict({"ucl_layout": 2})
+    with raises(errors.InvalidLayoutError, "layout version 3; this implementation reads versions 1, 2"):
+        Layout.from_dict({"ucl_layout": 3})
+    with raises(errors.InvalidLayoutError, "layout version True; this implementation reads versions 1, 2"):
+        Layout.from_dict({"ucl_layout": True})
     with raises(
         errors.InvalidLayoutError,
-        "unknown transform 'spread' (known: replicate, shard, fused, pad, size, partial)",
+        "unknown transform 'spread' (known: replicate, shard, fused, grouped, pad, size, partial)",
     ):
         Layout.from_dict({"ucl_layout": 1, "rules": [{"patterns": ["a"], "transforms": [{"op": "spread"}]}]})
 

@@ -359,7 +359,7 @@ def gpt_configs(draw):
             break
     mesh = Mesh.of(pp=pp, dp=dp, tp=tp)
     return mesh, dict(
-        zero=mesh if draw(st.booleans()) else None, qkv=draw(st.sampled_from(["concat", "interleaved"]))
+        zero=mesh if draw(st.booleans()) else None, qkv=draw(st.sampled_from(["megatron", "concat", "interleaved"]))
     )
 
 

@@ -17,6 +17,7 @@ from ucl.layout.mesh import Mesh, parse_mesh
 from ucl.layout.model import (
     Flat,
     Fused,
+    Grouped,
     Layout,
     Pad,
     Part,
@@ -35,6 +36,7 @@ __all__ = [
     "Box",
     "Flat",
     "Fused",
+    "Grouped",
     "Layout",
     "Mesh",
     "Pad",

@@ -11,7 +11,7 @@ from typing import Any
 
 from ucl.errors import InvalidLayoutError
 from ucl.layout.mesh import Mesh
-from ucl.layout.model import Flat, Fused, Layout, Pad, Part, Placement, Renumber, Replicate, Rule, Shard, Size
+from ucl.layout.model import Flat, Fused, Grouped, Layout, Pad, Part, Placement, Renumber, Replicate, Rule, Shard, Size
 
 BUILTINS: dict[str, str] = {
     "megatron-gpt": "ucl.layout.builtins:megatron_gpt",
@@ -100,7 +100,7 @@ def megatron_gpt(
     swiglu: bool = True,
     bias: bool = False,
     tied: bool = False,
-    qkv: str = "concat",
+    qkv: str = "megatron",
     pp_bounds: Sequence[int] | None = None,
     zero: Mesh | None = None,
     zero_axes: Sequence[str] = ("dp",),
@@ -108,9 +108,14 @@ def megatron_gpt(
 ) -> Layout:
     """A Megatron-core style GPT/LLaMA layout over mesh axes ``tp`` and ``pp`` (size 1 is fine).
 
-    - QKV (``linear_qkv``) fused with grouped-query attention: with ``qkv="concat"`` each TP rank holds
-      ``[q heads/tp; k groups/tp; v groups/tp]`` (fewer KV groups than TP ranks: each group replicated);
-      with ``qkv="interleaved"`` (Megatron-core's own order, per group [q..., k, v]) a plain row split.
+    - QKV (``linear_qkv``, weight and bias) fused with grouped-query attention. ``qkv="megatron"``
+      (default): Megatron-core's own order, per query group ``[its q heads; k; v]``, each TP rank the
+      next contiguous 1/tp of it (whole groups when tp divides the groups, else part of one group),
+      stored by the framework-neutral logical tensor ``[all q heads; all k; all v]``
+      (``grouped``, spec/layout.md §7.10; megatron/core/transformer/attention.py). ``qkv="concat"``:
+      each rank holds ``[q heads/tp; k groups/tp; v groups/tp]`` (as vLLM's QKVParallelLinear; fewer
+      KV groups than TP ranks: each group replicated). ``qkv="interleaved"``: Megatron's order as
+      the logical tensor (a plain row split; the logical view is not framework-neutral).
     - ``linear_fc1`` with SwiGLU holds ``[gate/tp; up/tp]``; column-parallel weights split rows, row-parallel
       ones (``linear_proj``, ``linear_fc2``) split columns.
     - The vocabulary is padded to a multiple of ``vocab_multiple * tp``; padding rows are not stored.
@@ -121,11 +126,19 @@ def megatron_gpt(
     """
     kv = num_kv_heads or num_heads
     hd = head_dim or hidden // num_heads
-    if qkv not in ("concat", "interleaved"):
-        raise InvalidLayoutError(f"qkv must be 'concat' or 'interleaved', got {qkv!r}")
+    if qkv not in ("megatron", "concat", "interleaved"):
+        raise InvalidLayoutError(f"qkv must be 'megatron', 'concat' or 'interleaved', got {qkv!r}")
+    if num_heads % kv:
+        raise InvalidLayoutError(f"{num_heads} attention heads do not form {kv} query groups "
+                                 "(num_heads must be a multiple of num_kv_heads)")
     vocab = (Size(0, vocab_size), Pad(0, (vocab_multiple, "tp")), Shard(0, ("tp",)))
-    if qkv == "concat":
+    if qkv == "megatron":
         qkv_t: tuple[Any, ...] = (
+            Grouped(0, kv, (Part("q", num_heads, hd), Part("k", kv, hd), Part("v", kv, hd))),
+            Shard(0, ("tp",)),
+        )
+    elif qkv == "concat":
+        qkv_t = (
             Fused(0, (Part("q", num_heads, hd), Part("k", kv, hd), Part("v", kv, hd))),
             Shard(0, ("tp",)),
         )

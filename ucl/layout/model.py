@@ -14,7 +14,8 @@ from ucl.errors import InvalidLayoutError, MeshMismatchError
 from ucl.layout import patterns
 from ucl.layout.mesh import AXIS_NAME, Mesh
 
-VERSION = 1
+VERSION = 2  # the newest layout version; a layout is written at the lowest version that expresses it
+VERSIONS = (1, 2)  # version 2 added `grouped` (spec/layout.md §7.10)
 Factor = int | str  # an integer or a mesh axis name (its size)
 
 
@@ -127,6 +128,38 @@ class Fused:
 
 
 @dataclass(frozen=True)
+class Grouped:
+    """``dim`` is held in ``groups`` groups, each the next 1/groups of every part's units in part order
+    (Megatron-core's fused QKV: per query group its query heads, key, value); the logical tensor is the
+    parts concatenated. A shard of that dim splits the grouped order into contiguous pieces."""
+
+    dim: int
+    groups: int
+    parts: tuple[Part, ...]
+    op: ClassVar[str] = "grouped"
+
+    def __post_init__(self) -> None:
+        _int(self.dim, "grouped dim")
+        _int(self.groups, "grouped groups", 1)
+        if not self.parts:
+            raise _fail("grouped needs at least one part")
+        names = [p.name for p in self.parts]
+        if len(set(names)) != len(names):
+            raise _fail(f"grouped parts repeat a name: {names}")
+        for p in self.parts:
+            if p.count % self.groups:
+                raise _fail(f"grouped part {p.name!r} has {p.count} units, not a multiple of its "
+                            f"{self.groups} groups")
+
+    @property
+    def size(self) -> int:
+        return sum(p.size for p in self.parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"op": "grouped", "dim": self.dim, "groups": self.groups, "parts": [p.to_dict() for p in self.parts]}
+
+
+@dataclass(frozen=True)
 class Pad:
     """``dim`` is padded at its end to a multiple of the product of ``multiple`` (integers, axis sizes)."""
 
@@ -188,7 +221,7 @@ class Partial:
         return {"op": "partial", "axes": list(self.axes), "reduce": self.reduce}
 
 
-Transform = Replicate | Shard | Fused | Pad | Size | Partial
+Transform = Replicate | Shard | Fused | Grouped | Pad | Size | Partial
 
 
 def transform_from_dict(d: Any) -> Transform:
@@ -199,14 +232,16 @@ def transform_from_dict(d: Any) -> Transform:
     if op == "shard":
         _keys(d, "shard", {"op", "dim", "axes"})
         return Shard(d["dim"], _axes(d["axes"], "shard axes"))
-    if op == "fused":
-        _keys(d, "fused", {"op", "dim", "parts"})
+    if op in ("fused", "grouped"):
+        _keys(d, op, {"op", "dim", "parts"} | ({"groups"} if op == "grouped" else set()))
         if not isinstance(d["parts"], list):
-            raise _fail(f"fused parts must be a list, got {d['parts']!r}")
+            raise _fail(f"{op} parts must be a list, got {d['parts']!r}")
         parts = []
         for p in d["parts"]:
-            _keys(p, "fused part", {"name", "count"}, {"unit"})
+            _keys(p, f"{op} part", {"name", "count"}, {"unit"})
             parts.append(Part(p["name"], p["count"], p.get("unit", 1)))
+        if op == "grouped":
+            return Grouped(d["dim"], d["groups"], tuple(parts))
         return Fused(d["dim"], tuple(parts))
     if op == "pad":
         _keys(d, "pad", {"op", "dim", "multiple"})
@@ -219,7 +254,7 @@ def transform_from_dict(d: Any) -> Transform:
     if op == "partial":
         _keys(d, "partial", {"op", "axes"}, {"reduce"})
         return Partial(_axes(d["axes"], "partial axes"), d.get("reduce", "sum"))
-    raise _fail(f"unknown transform {op!r} (known: replicate, shard, fused, pad, size, partial)")
+    raise _fail(f"unknown transform {op!r} (known: replicate, shard, fused, grouped, pad, size, partial)")
 
 
 # -- placement -------------------------------------------------------------------------------------
@@ -324,7 +359,7 @@ def _check_transforms(rule: Rule) -> None:
             used.extend(t.axes)
         if isinstance(t, Partial) and sum(isinstance(x, Partial) for x in ts) > 1:
             raise _fail(f"{what}: at most one partial")
-        if isinstance(t, Shard | Fused | Pad | Size):
+        if isinstance(t, Shard | Fused | Grouped | Pad | Size):
             s = state.setdefault(t.dim, {})
             if isinstance(t, Size):
                 if "size" in s:
@@ -336,11 +371,11 @@ def _check_transforms(rule: Rule) -> None:
                 if "shard" in s:
                     raise _fail(f"{what}: pad({t.dim}, ...) must come before shard({t.dim}, ...)")
                 s["pad"] = 1
-            elif isinstance(t, Fused):
+            elif isinstance(t, Fused | Grouped):
                 if "fused" in s or "pad" in s:
                     raise _fail(f"{what}: dim {t.dim} is fused twice or fused and padded")
                 if "shard" in s:
-                    raise _fail(f"{what}: fused({t.dim}, ...) must come before shard({t.dim}, ...)")
+                    raise _fail(f"{what}: {t.op}({t.dim}, ...) must come before shard({t.dim}, ...)")
                 s["fused"] = 1
             else:
                 if "fused" in s and "shard" in s:
@@ -487,11 +522,18 @@ class Layout:
     renumbers: tuple[Renumber, ...] = ()
     flats: tuple[Flat, ...] = ()
     mesh: Mesh | None = None
-    version: int = field(default=VERSION)
+    version: int | None = None  # None: the lowest version that expresses the layout
 
     def __post_init__(self) -> None:
-        if self.version != VERSION:
-            raise _fail(f"layout version {self.version!r}; this implementation reads version {VERSION}")
+        needs = 2 if any(isinstance(t, Grouped) for r in self.rules for t in r.transforms) else 1
+        if self.version is None:
+            object.__setattr__(self, "version", needs)
+        if self.version not in VERSIONS:
+            raise _fail(f"layout version {self.version!r}; this implementation reads versions "
+                        f"{', '.join(map(str, VERSIONS))}")
+        if self.version < needs:
+            raise _fail(f"grouped (spec/layout.md §7.10) needs layout version 2; this layout declares "
+                        f"version {self.version}")
         for name, typ in (("rules", Rule), ("renumbers", Renumber), ("flats", Flat)):
             v = tuple(getattr(self, name))
             object.__setattr__(self, name, v)
@@ -548,8 +590,8 @@ class Layout:
     def from_dict(cls, d: Any) -> Layout:
         _keys(d, "layout", {"ucl_layout"}, {"mesh", "renumber", "rules", "flat"})
         v = d["ucl_layout"]
-        if v != VERSION:
-            raise _fail(f"layout version {v!r}; this implementation reads version {VERSION}")
+        if type(v) is not int or v not in VERSIONS:
+            raise _fail(f"layout version {v!r}; this implementation reads versions {', '.join(map(str, VERSIONS))}")
         for k in ("renumber", "rules", "flat"):
             if not isinstance(d.get(k, []), list):
                 raise _fail(f"layout {k} must be a list")
@@ -558,6 +600,7 @@ class Layout:
             renumbers=tuple(Renumber.from_dict(r) for r in d.get("renumber", [])),
             flats=tuple(Flat.from_dict(f) for f in d.get("flat", [])),
             mesh=Mesh.from_dict(d["mesh"]) if "mesh" in d else None,
+            version=v,
         )
 
 

@@ -14,6 +14,8 @@ from ucl.errors import InvalidLayoutError, LayoutSyntaxError
 from ucl.layout.mesh import Mesh
 from ucl.layout.model import (
     VERSION,
+    VERSIONS,
+    Grouped,
     Flat,
     Fused,
     Layout,
@@ -142,14 +144,14 @@ class _Parser:
         self.skip_nl()
         head = self.tok
         if not self.at(HEADER):
-            raise self.error(f"'{HEADER} {VERSION}' on the first line")
+            raise self.error(f"'{HEADER} 1' on the first line")
         self.i += 1
         v = self.tok
         version = self.integer("the layout version")
-        if version != VERSION:
+        if version not in VERSIONS:
             raise LayoutSyntaxError(
                 f"line {v.line}, column {v.col}: layout version {version}; "
-                f"this implementation reads {VERSION}"
+                f"this implementation reads {', '.join(map(str, VERSIONS))}"
             )
         self.end_statement()
         rules: list[Rule] = []
@@ -177,7 +179,7 @@ class _Parser:
                 raise self.semantic(start, e) from None
             self.end_statement()
         try:
-            return Layout(tuple(rules), tuple(renumbers), tuple(flats), mesh)
+            return Layout(tuple(rules), tuple(renumbers), tuple(flats), mesh, version)
         except InvalidLayoutError as e:
             if isinstance(e, LayoutSyntaxError):
                 raise
@@ -253,11 +255,11 @@ class _Parser:
 
     def transform(self) -> Transform:
         t = self.tok
-        op = self.name("a transform (replicate, shard, fused, pad, size, partial)")
+        op = self.name("a transform (replicate, shard, fused, grouped, pad, size, partial)")
         if op == "replicate":
             return Replicate()
-        if op not in ("shard", "fused", "pad", "size", "partial"):
-            raise self.error("a transform (replicate, shard, fused, pad, size, partial)", t)
+        if op not in ("shard", "fused", "grouped", "pad", "size", "partial"):
+            raise self.error("a transform (replicate, shard, fused, grouped, pad, size, partial)", t)
         self.take("(")
         out: Transform
         if op == "partial":
@@ -276,11 +278,15 @@ class _Parser:
                     factors.append(self.factor())
                 out = Pad(dim, tuple(factors))
             else:
+                groups = None
+                if op == "grouped":
+                    groups = self.integer("the number of groups")
+                    self.take(",")
                 parts = [self.part()]
                 while self.at(","):
                     self.i += 1
                     parts.append(self.part())
-                out = Fused(dim, tuple(parts))
+                out = Fused(dim, tuple(parts)) if groups is None else Grouped(dim, groups, tuple(parts))
         self.take(")")
         return out
 
@@ -354,6 +360,8 @@ def format_transform(t: Transform) -> str:
     parts = ", ".join(
         f"{p.name}={p.count}x{p.unit}" if p.unit != 1 else f"{p.name}={p.count}" for p in t.parts
     )
+    if isinstance(t, Grouped):
+        return f"grouped({t.dim}, {t.groups}, {parts})"
     return f"fused({t.dim}, {parts})"
 
 

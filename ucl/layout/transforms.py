@@ -18,7 +18,7 @@ from typing import Any
 from ucl.errors import LayoutShapeError
 from ucl.layout.boxes import Box
 from ucl.layout.mesh import Mesh
-from ucl.layout.model import Fused, Pad, Partial, Rule, Shard, Size
+from ucl.layout.model import Fused, Grouped, Pad, Partial, Rule, Shard, Size
 
 
 def chunk_range(length: int, k: int, i: int) -> tuple[int, int]:
@@ -116,6 +116,42 @@ def _blocks_fused(fused: Fused, k: int) -> list[Block]:
     return out
 
 
+def grouped_order(g: Grouped) -> list[Seg]:
+    """The grouped order of a dim (spec/layout.md §7.10) as segments: ``local`` the position in that
+    order, ``logical`` in the parts' concatenation; one per (group, part), in that order."""
+    out, cursor = [], 0
+    bases = [sum(q.size for q in g.parts[:j]) for j in range(len(g.parts))]
+    for grp in range(g.groups):
+        for p, base in zip(g.parts, bases, strict=True):
+            per = p.count // g.groups * p.unit
+            out.append(Seg(cursor, base + grp * per, per))
+            cursor += per
+    return out
+
+
+def _blocks_grouped(g: Grouped, k: int) -> list[Block]:
+    """Rank ``i`` of ``k`` holds the contiguous piece ``chunk(n, k, i)`` of the grouped order: whole groups
+    when ``k`` divides the groups, else part of one group (Megatron-core with more TP ranks than query
+    groups)."""
+    order, n = grouped_order(g), g.size
+    out = []
+    for i in range(k):
+        start, length = chunk_range(n, k, i)
+        segs: list[Seg] = []
+        for s in order:
+            lo, hi = max(start, s.local), min(start + length, s.local + s.length)
+            if lo >= hi:
+                continue
+            local, logical = lo - start, s.logical + (lo - s.local)
+            if segs and segs[-1].local + segs[-1].length == local and segs[-1].logical + segs[-1].length == logical:
+                prev = segs.pop()
+                segs.append(Seg(prev.local, prev.logical, prev.length + hi - lo))
+            else:
+                segs.append(Seg(local, logical, hi - lo))
+        out.append(Block(length, tuple(segs)))
+    return out
+
+
 def dim_plan(rule: Rule | None, dim: int, n: int, mesh: Mesh, name: str) -> DimPlan:
     """The blocks of dim ``dim`` (logical size ``n``) of tensor ``name`` under ``rule`` (dims resolved)."""
     for t in rule.transforms if rule else ():
@@ -124,9 +160,9 @@ def dim_plan(rule: Rule | None, dim: int, n: int, mesh: Mesh, name: str) -> DimP
                 f"tensor {name!r}: dim {dim} has {n} elements; the rule declares size({dim}, {t.size})",
                 tensor=name,
             )
-        if isinstance(t, Fused) and t.dim == dim and t.size != n:
+        if isinstance(t, Fused | Grouped) and t.dim == dim and t.size != n:
             raise LayoutShapeError(
-                f"tensor {name!r}: dim {dim} has {n} elements; the fused parts "
+                f"tensor {name!r}: dim {dim} has {n} elements; the {t.op} parts "
                 f"({', '.join(f'{p.name}={p.size}' for p in t.parts)}) sum to {t.size}",
                 tensor=name,
             )
@@ -137,19 +173,21 @@ def dim_plan(rule: Rule | None, dim: int, n: int, mesh: Mesh, name: str) -> DimP
 def _dim_plan(rule: Rule | None, dim: int, n: int, mesh: Mesh) -> DimPlan:
     splits: list[tuple[str, ...]] = []
     padded = n
-    fused: Fused | None = None
+    fused: Fused | Grouped | None = None
     for t in rule.transforms if rule else ():
-        if not isinstance(t, Shard | Fused | Pad) or t.dim != dim:
+        if not isinstance(t, Shard | Fused | Grouped | Pad) or t.dim != dim:
             continue
         if isinstance(t, Pad):
             m = t.value(mesh)
             padded = -(-n // m) * m
-        elif isinstance(t, Fused):
+        elif isinstance(t, Fused | Grouped):
             fused = t
         else:
             splits.append(t.axes)
     sizes = tuple(math.prod(mesh.axis_size(a) for a in axes) for axes in splits)
-    if fused is not None:
+    if isinstance(fused, Grouped):
+        blocks = _blocks_grouped(fused, sizes[0] if sizes else 1)
+    elif fused is not None:
         blocks = _blocks_fused(fused, sizes[0] if sizes else 1)
     else:
         blocks = _blocks_plain(n, padded, sizes)
@@ -166,7 +204,7 @@ def resolve_dims(rule: Rule | None, ndim: int, name: str) -> Rule | None:
     if rule is None:
         return None
     for t in rule.transforms:
-        if isinstance(t, Shard | Fused | Pad | Size) and not -ndim <= t.dim < ndim:
+        if isinstance(t, Shard | Fused | Grouped | Pad | Size) and not -ndim <= t.dim < ndim:
             raise LayoutShapeError(
                 f"tensor {name!r} has {ndim} dims; its rule ({rule.patterns[0]!r}) names dim {t.dim}",
                 tensor=name,
@@ -176,11 +214,11 @@ def resolve_dims(rule: Rule | None, ndim: int, name: str) -> Rule | None:
 
 @functools.lru_cache(maxsize=4096)
 def _resolved(rule: Rule, ndim: int) -> Rule:
-    if all(t.dim >= 0 for t in rule.transforms if isinstance(t, Shard | Fused | Pad | Size)):
+    if all(t.dim >= 0 for t in rule.transforms if isinstance(t, Shard | Fused | Grouped | Pad | Size)):
         return rule
     ts = [
         dataclasses.replace(t, dim=t.dim + ndim)
-        if isinstance(t, Shard | Fused | Pad | Size) and t.dim < 0
+        if isinstance(t, Shard | Fused | Grouped | Pad | Size) and t.dim < 0
         else t
         for t in rule.transforms
     ]
@@ -297,7 +335,7 @@ def infer_shape(
         for t in rule.transforms if rule else ():
             if isinstance(t, Size) and t.dim == d:
                 size = t.size
-            elif isinstance(t, Fused) and t.dim == d:
+            elif isinstance(t, Fused | Grouped) and t.dim == d:
                 fused = t.size
             elif isinstance(t, Pad) and t.dim == d:
                 pad = t

@@ -18,7 +18,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from ucl.layout.mesh import Mesh
-from ucl.layout.model import Flat, Fused, Layout, Pad, Part, Partial, Renumber, Rule, Shard, Size, Transform
+from ucl.layout.model import Flat, Fused, Grouped, Layout, Pad, Part, Partial, Renumber, Rule, Shard, Size, Transform
 from ucl.layout.patterns import escape
 
 AXES = ("pp", "dp", "fsdp", "cp", "ep", "tp")
@@ -93,7 +93,8 @@ def _parts(draw: Any, n: int) -> tuple[Part, ...]:
 def tile_transforms(
     draw: Any, mesh: Mesh, shape: tuple[int, ...], axes: list[str] | None = None, partial: bool = True
 ) -> tuple[Transform, ...]:
-    """Transforms for a tensor of ``shape``: per dim none, shard (combined axes), nested shards, pad, fused;
+    """Transforms for a tensor of ``shape``: per dim none, shard (combined axes), nested shards, pad, fused,
+    grouped;
     maybe partial. Each axis of ``axes`` (default: the mesh's) is used at most once."""
     free = list(draw(st.permutations(list(mesh.names if axes is None else axes))))
     out: list[Transform] = []
@@ -104,7 +105,7 @@ def tile_transforms(
         return got
 
     for d, n in enumerate(shape):
-        kind = draw(st.sampled_from(["none", "shard", "shard", "nested", "pad", "fused"]))
+        kind = draw(st.sampled_from(["none", "shard", "shard", "nested", "pad", "fused", "grouped"]))
         dim = d - len(shape) if draw(st.booleans()) else d
         if kind == "shard" and free:
             out.append(Shard(dim, take(draw(st.integers(1, min(2, len(free)))))))
@@ -119,6 +120,12 @@ def tile_transforms(
                 out.append(Shard(dim, take(1)))
         elif kind == "fused" and n >= 1:
             out.append(Fused(dim, draw(_parts(n))))
+            if free:
+                out.append(Shard(dim, take(draw(st.integers(1, min(2, len(free)))))))
+        elif kind == "grouped" and n >= 1:
+            groups = draw(st.sampled_from([g for g in range(1, 5) if n % g == 0]))
+            per_group = draw(_parts(n // groups))  # one group's parts; every group alike
+            out.append(Grouped(dim, groups, tuple(Part(p.name, p.count * groups, p.unit) for p in per_group)))
             if free:
                 out.append(Shard(dim, take(draw(st.integers(1, min(2, len(free)))))))
     if partial and free and draw(st.integers(0, 4)) == 0:
