@@ -5,8 +5,9 @@
 
 Trains the demo's GPT (``ucl.testing.gpt``, preset ``small``: 11M parameters, AdamW; about 136 MB of
 state) for ``--warmup`` steps, then saves every step for ``--saves`` steps through one
-``CheckpointManager`` per policy, all fed the same live state (``save(..., optimizer=opt)``, each save
-waited for before the next, so the timings do not overlap):
+``CheckpointManager`` per policy (each save waited for before the next, so the timings do not
+overlap). Each policy has a pass of its own over the same deterministic run (one manager in memory at a
+time; the state at the last save is checked bit-identical across the passes):
 
 - ``full``: every step full (``delta=None``);
 - ``lossless delta``: ``DeltaPolicy(base="previous")`` (exact);
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import math
 import os
 import shutil
@@ -59,50 +61,69 @@ def policies(args: argparse.Namespace, exact_too: bool) -> list[tuple[str, Delta
     return out
 
 
+def _digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for t in model.state_dict().values():
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def run_seed(args: argparse.Namespace, seed: int, root: str, exact_too: bool) -> dict[str, Any]:
-    """Train, save every step under each policy, resume from each composite repository and exactly."""
-    model, opt = make_model_and_optimizer(args.preset, seed=seed)
-    data = SyntheticData(model.config, seed=seed)
-    for step in range(1, args.warmup + 1):
-        train_step(model, opt, data.batch(step))
+    """Per policy, one pass: train, save every step through that policy's manager, resume from its
+    latest step. The passes train the same deterministic run (checked: the live state at the last save
+    is bit-identical in every pass), one manager alive at a time: a medium state's staging, and a
+    composite manager's host copy, would not fit beside four others."""
     pols = policies(args, exact_too)
-    mgrs = {name: CheckpointManager(os.path.join(root, f"s{seed}-{i}"), delta=pol)
-            for i, (name, pol) in enumerate(pols)}
-    timing: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in pols}
+    data = None
+    out: dict[str, Any] = {"timing": {}, "bytes": {}, "stale": {}, "resume": {}, "at_last": {}, "groups": 0}
     last = args.warmup + args.saves
-    for step in range(args.warmup + 1, last + 1):
-        train_step(model, opt, data.batch(step))
-        state = full_state(model, opt)
-        for name, pol in pols:
+    digests = set()
+    for i, (name, pol) in enumerate(pols):
+        model, opt = make_model_and_optimizer(args.preset, seed=seed)
+        data = SyntheticData(model.config, seed=seed)
+        for step in range(1, args.warmup + 1):
+            train_step(model, opt, data.batch(step))
+        path = os.path.join(root, f"s{seed}-{i}")
+        mgr = CheckpointManager(path, delta=pol)
+        composite = pol is not None and pol.prune is not None  # optimizer=: its state joins its parameter
+        timing = []
+        for step in range(args.warmup + 1, last + 1):
+            train_step(model, opt, data.batch(step))
+            state = full_state(model, opt)
             t0 = time.perf_counter()
-            composite = pol is not None and pol.prune is not None  # optimizer=: its state joins its parameter
-            h = mgrs[name].save(step, state, optimizer=opt if composite else None)
+            h = mgr.save(step, state, optimizer=opt if composite else None)
             h.result()
-            timing[name].append((h.staged_s, time.perf_counter() - t0))
-    exact = copy.deepcopy(full_state(model, opt))
-    out: dict[str, Any] = {"timing": timing, "bytes": {}, "stale": {}, "resume": {}, "at_last": {}}
-    for name, _ in pols:
-        repo = mgrs[name].repo
+            timing.append((h.staged_s, time.perf_counter() - t0))
+        out["timing"][name] = timing
+        digests.add(_digest(model))
+        repo = mgr.repo
         out["bytes"][name] = [repo.commit_record(s).nbytes for s in repo.steps()]
         comps = [repo.step_meta(s).composite for s in repo.steps()]
         out["stale"][name] = [0 if c is None else len(c.stale) for c in comps]
-        out["groups"] = max([c.groups for c in comps if c is not None], default=0) or out.get("groups", 0)
-    # resume: the exact state at `last`, and each composite repository's latest step
-    starts: dict[str, Any] = {"exact": exact}
-    for name, pol in pols:
-        if pol is not None and pol.prune is not None:
+        out["groups"] = max([c.groups for c in comps if c is not None], default=0) or out["groups"]
+        starts: dict[str, Any] = {}
+        if i == 0:
+            starts["exact"] = copy.deepcopy(full_state(model, opt))
+        if composite:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", ApproximateWarning)
-                starts[name] = mgrs[name].restore(approximate=True)
-            c = mgrs[name].repo.step_meta(last).composite
+                starts[name] = mgr.restore(approximate=True)
+            c = repo.step_meta(last).composite
             out["at_last"][name] = (0, 0) if c is None else (len(c.stale), max(g.age for g in c.stale))
-    for m in mgrs.values():
-        m.close()
-    for name, state in starts.items():
-        model2, opt2 = make_model_and_optimizer(args.preset, seed=seed)
-        load_full_state(model2, opt2, state)
-        out["resume"][name] = [train_step(model2, opt2, data.batch(s))
-                               for s in range(last + 1, last + 1 + args.resume)]
+        mgr.close()
+        del model, opt, state
+        for key, start in starts.items():
+            model2, opt2 = make_model_and_optimizer(args.preset, seed=seed)
+            load_full_state(model2, opt2, start)
+            out["resume"][key] = [train_step(model2, opt2, data.batch(s))
+                                  for s in range(last + 1, last + 1 + args.resume)]
+            del model2, opt2
+        del starts
+        if not args.dir:  # a medium run would otherwise hold tens of GB per seed
+            shutil.rmtree(path, ignore_errors=True)
+    if len(digests) != 1:
+        raise RuntimeError(f"seed {seed}: the passes trained different states ({len(digests)} digests): "
+                           "training is not deterministic here, so the policies did not see one run")
     return out
 
 

@@ -99,13 +99,14 @@ def test_composite_bench_prints_both_tables(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(bench), *args], capture_output=True, text=True, timeout=300,
                           cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore", "TMPDIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = _rows(proc.stdout)
+    saves, resume_table = proc.stdout.split("**Resume**")
+    rows = _rows(saves)
     names = ["full", "lossless delta", "composite t=0", "composite t=0.5"]
     for name in names:
         assert name in rows, f"no row for {name!r} in:\n{proc.stdout}"
     # threshold 0 stores every changed group: the bytes per step equal lossless deltas' (spec/delta.md §9)
     assert rows["composite t=0"][0] == rows["lossless delta"][0]
     assert float(rows["full"][1].rstrip("x")) == 1.0
-    resume = [line for line in proc.stdout.splitlines() if line.startswith("| composite t=")]
-    assert len(resume) == 4  # two in each table
+    assert set(_rows(resume_table)) == {"policy", "composite t=0", "composite t=0.5"}
+    assert _rows(resume_table)["composite t=0"][1:4] == ["+0.00000"] * 3  # nothing stale: an exact resume
     assert not list(tmp_path.glob("ucl-composite-*"))  # its own temporary directory is gone
