@@ -54,6 +54,28 @@ def test_drain_every_retention_and_restore(tmp_path: Path) -> None:
     assert (a.files, a.kind, a.parent) == (b.files, b.kind, b.parent)
 
 
+def test_a_training_state_drains(tmp_path: Path) -> None:
+    """What a training loop saves drains too: an AdamW state (its 0-d ``step`` tensors: shard ``<key>/c``),
+    and a name with a ``c`` segment (shards ``model/c/w/c/0/0``). bench/goodput.py found the drain
+    reading such shards as documents (a checksum error on every drain of an optimizer's state)."""
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    state = {"model": {"c": {"w": model.weight.detach().clone()}}, "optim": opt.state_dict(),
+             "scalar": torch.tensor(3.5)}
+    disk, mem = tmp_path / "disk", tmp_path / "mem"
+    with CheckpointManager(disk, memory=MemoryTier(mem, drain_every=1)) as mgr:
+        mgr.save(0, state).result()
+        mgr.wait()
+        assert mgr.durable is not None and mgr.durable.steps() == [0]
+    assert ucl.validate(disk).ok
+    back = ucl.load(disk, 0)
+    assert torch.equal(back["model"]["c"]["w"], state["model"]["c"]["w"])
+    assert torch.equal(back["optim"]["state"][0]["step"], state["optim"]["state"][0]["step"])
+    assert torch.equal(back["scalar"], state["scalar"])
+
+
 def _save_steps(disk: Path, tier: MemoryTier, n: int) -> None:
     """Steps 0 .. n-1 saved through ``tier`` by a manager that is then closed (its drains done)."""
     with CheckpointManager(disk, memory=tier) as mgr:

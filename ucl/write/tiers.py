@@ -112,8 +112,7 @@ def copy_step(src: Repository, dst: Repository, step: int, lock: WriterLock, _de
     inner = {a.key: a.n_inner for a in meta.arrays.values()}
     prefix = step_prefix(step)
     for rel in record.files:
-        head, sep, _ = rel.partition("/c/")
-        n_inner = inner.get(head) if sep else None
+        n_inner = _shard_of(rel, inner)
         data = src.read_verified(step, rel, record, n_inner=n_inner)
         # with syncfs one call below makes every file durable; without it, each file is made durable here
         size, crc = dst.store.write(f"{prefix}/{rel}", [data], durable=not HAS_SYNCFS)
@@ -126,6 +125,20 @@ def copy_step(src: Repository, dst: Repository, step: int, lock: WriterLock, _de
             dst.store.sync_dir(d)
     writer.commit(meta, {}, documents=dict(record.files))
     return True
+
+
+def _shard_of(rel: str, inner: dict[str, int]) -> int | None:
+    """The inner chunk count of the array whose shard ``rel`` is (``<key>/c`` for a 0-d array,
+    ``<key>/c/<i>/...`` otherwise), None for a document. A key may itself hold a ``c`` segment
+    (``model/c/w``), so every ``/c`` boundary is tried against the step's arrays, the last first."""
+    if rel.endswith("/c") and rel[:-2] in inner:
+        return inner[rel[:-2]]
+    i = rel.rfind("/c/")
+    while i > 0:
+        if rel[:i] in inner:
+            return inner[rel[:i]]
+        i = rel.rfind("/c/", 0, i)
+    return None
 
 
 class Drain:
