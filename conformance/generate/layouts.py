@@ -443,10 +443,10 @@ def _invalid(root: Path, cases: Cases) -> None:
         )
 
     step_layout(
-        "layout_version_2",
-        "a step layout of ucl_layout version 2",
+        "layout_version_3",
+        "a step layout of ucl_layout version 3 (versions 1 and 2 are defined)",
         "invalid_layout",
-        lambda u: u["layout"].__setitem__("ucl_layout", 2),
+        lambda u: u["layout"].__setitem__("ucl_layout", 3),
     )
     step_layout(
         "layout_unknown_field",
