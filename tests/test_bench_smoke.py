@@ -110,3 +110,16 @@ def test_composite_bench_prints_both_tables(tmp_path: Path) -> None:
     assert set(_rows(resume_table)) == {"policy", "composite t=0", "composite t=0.5"}
     assert _rows(resume_table)["composite t=0"][1:4] == ["+0.00000"] * 3  # nothing stale: an exact resume
     assert not list(tmp_path.glob("ucl-composite-*"))  # its own temporary directory is gone
+
+
+def test_goodput_bench_prints_every_case() -> None:
+    """bench/goodput.py at the tiny preset, failures too rare to hit: every case trains to the end (its
+    child exits 0 after the last step) and has a row; the ideal run's ETTR is 1."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "goodput.py"), "--preset", "tiny", "--steps", "6",
+                           "--mtbf", "100000", "--seeds", "1", "--dcp-every", "3"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(proc.stdout)
+    for case in ["no checkpoint, no failure", "ucl tiered", "ucl tiered, Young/Daly", "ucl disk", "DCP async every 3"]:
+        assert case in rows, f"no row for {case!r} in:\n{proc.stdout}"
+    assert rows["no checkpoint, no failure"][1] == "1.000"
