@@ -112,6 +112,7 @@ def test_composite_bench_prints_both_tables(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("ucl-composite-*"))  # its own temporary directory is gone
 
 
+@pytest.mark.slow  # 5 cases, each a fresh training process: ~25 s (./dev test-long)
 def test_goodput_bench_prints_every_case() -> None:
     """bench/goodput.py at the tiny preset, failures too rare to hit: every case trains to the end (its
     child exits 0 after the last step) and has a row; the ideal run's ETTR is 1."""

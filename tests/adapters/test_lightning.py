@@ -99,6 +99,7 @@ def test_kill_and_resume_identical(mode, tmp_path, torch_resumed) -> None:
     assert os.path.exists(tmp_path / "final.pt")
 
 
+@pytest.mark.slow  # 2 x 2 Lightning DDP processes, killed and resumed: ~50 s (./dev test-long)
 def test_ddp_kill_and_resume_identical(tmp_path) -> None:
     """strategy="ddp" over two CPU processes: Lightning hands only global rank 0's CheckpointIO the
     checkpoint, which saves alone (no collective the other rank would have to join) and asynchronously;

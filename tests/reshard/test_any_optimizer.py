@@ -65,7 +65,8 @@ def save_trained(rank: int, world: int, path: str, kind: str) -> dict[str, Any]:
     return {"names": sorted(full)}
 
 
-@pytest.mark.parametrize("kind,state_name", [("sgd", "momentum_buffer"), ("muon", "momentum_buffer")])
+@pytest.mark.parametrize("kind,state_name", [("sgd", "momentum_buffer"),
+                                             pytest.param("muon", "momentum_buffer", marks=pytest.mark.slow)])
 def test_any_optimizers_state_reshards_with_its_parameter(tmp_path: Path, kind: str, state_name: str) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks run (OMP_NUM_THREADS=1): CPU reductions depend on the threads
