@@ -10,6 +10,8 @@ import random
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ucl.format import metadata
 
@@ -124,3 +126,88 @@ def test_a_violation_still_names_its_place() -> None:
     bad["shape"] = [4.0] * len(bad["shape"]) or [4.0]
     with pytest.raises(metadata.SchemaError, match="shape"):
         metadata.check_schema(bad, "array", "w/zarr.json")
+
+
+# -- every keyword the compiler knows, on schemas and documents drawn at random -----------------------
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 3) | st.sampled_from([0.0, 1.0, 2.5, -1.0])
+    | st.sampled_from(["", "a", "ab", "b1", "zz"]),
+    lambda kids: st.lists(kids, max_size=4)
+    | st.dictionaries(st.sampled_from(["a", "b", "c", "x1"]), kids, max_size=4),
+    max_leaves=10)
+_types = st.sampled_from(["object", "array", "string", "integer", "number", "boolean", "null"])
+
+
+def _schemas(depth: int = 3) -> st.SearchStrategy[object]:
+    sub = st.booleans() | (_schemas(depth - 1) if depth else st.fixed_dictionaries({"type": _types}))
+    key = st.sampled_from(["a", "b", "c", "x1"])
+    by_keyword: dict[str, st.SearchStrategy[object]] = {
+        "type": _types | st.lists(_types, min_size=1, max_size=3, unique=True),
+        "const": json_values,
+        "enum": st.lists(json_values, min_size=1, max_size=3),
+        "properties": st.dictionaries(key, sub, max_size=3),
+        "patternProperties": st.dictionaries(st.sampled_from(["^a", "1$", "[bc]"]), sub, max_size=2),
+        "additionalProperties": sub,
+        "required": st.lists(key, max_size=3, unique=True),
+        "propertyNames": st.fixed_dictionaries({"maxLength": st.integers(0, 2)}),
+        "minProperties": st.integers(0, 3),
+        "maxProperties": st.integers(0, 3),
+        "dependentRequired": st.dictionaries(key, st.lists(key, max_size=2, unique=True), max_size=2),
+        "items": sub,
+        "prefixItems": st.lists(sub, min_size=1, max_size=2),
+        "minItems": st.integers(0, 3),
+        "maxItems": st.integers(0, 3),
+        "uniqueItems": st.booleans(),
+        **{k: st.integers(-2, 2) | st.sampled_from([0.5, -1.5])
+           for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")},
+        "minLength": st.integers(0, 2),
+        "maxLength": st.integers(0, 2),
+        "pattern": st.sampled_from(["^a", "b", "[0-9]"]),
+        **{k: st.lists(sub, min_size=1, max_size=3) for k in ("allOf", "anyOf", "oneOf")},
+        **{k: sub for k in ("not", "if", "then", "else")},
+    }
+    # keywords drawn uniformly (st.one_of would draw its last branches rarely)
+    keyword = st.sampled_from(sorted(by_keyword)).flatmap(lambda k: st.tuples(st.just(k), by_keyword[k]))
+    return st.lists(keyword, max_size=5).map(dict)
+
+
+# every scalar the schemas' bounds and patterns can meet, checked beside the drawn documents
+_SCALARS: list[object] = [None, True, False, -3, -2, -1, 0, 1, 2, 3, 0.5, -1.5, 2.5, 1.0,
+                          "", "a", "ab", "b1", [], {}]
+
+
+def _strict_validator(schema: object) -> object:
+    import jsonschema
+
+    strict = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=(
+        jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", lambda _, x: type(x) is int)))
+    return strict(schema)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_schemas(), st.lists(json_values, min_size=1, max_size=8))
+def test_compiled_agrees_with_jsonschema_on_any_schema(schema: object, docs: list[object]) -> None:
+    from ucl.format.schema_compile import Compiler
+
+    fast = Compiler({"s.json": schema}).compile("s.json")  # type: ignore[dict-item]
+    ref = _strict_validator(schema)
+    for doc in [*docs, *_SCALARS]:
+        assert fast(doc) == ref.is_valid(doc), (schema, doc)  # type: ignore[attr-defined]
+
+
+def test_deep_schemas_compile() -> None:
+    """A schema nested deeper than one Python function may nest blocks is split into functions."""
+    from ucl.format.schema_compile import Compiler
+
+    schema: dict[str, object] = {"type": "integer"}
+    doc: object = 1
+    for _ in range(40):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+        doc = {"a": doc}
+    fast = Compiler({"s.json": schema}).compile("s.json")
+    assert fast(doc)
+    bad = doc
+    for _ in range(39):
+        bad = bad["a"]  # type: ignore[index]
+    bad["a"] = "1"  # type: ignore[index]
+    assert not fast(doc)

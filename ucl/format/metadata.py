@@ -183,6 +183,7 @@ def parse_repo(data: bytes, what: str = "zarr.json") -> dict[str, Any]:
 # -- arrays ----------------------------------------------------------------------------------------
 _BYTES_LE = {"name": "bytes", "configuration": {"endian": "little"}}
 _CRC = {"name": "crc32c"}
+_INDEX_CODECS = [_BYTES_LE, _CRC]
 
 
 def dimension_names(name: str, ndim: int) -> list[str]:
@@ -335,7 +336,7 @@ class ArrayMeta:
                 raise UnknownExtensionError(f"{what}: codec {unknown[0]['name']!r} is not part of UCL v1", tensor=name, file=what)
             if names_ not in (["bytes", "crc32c"], ["bytes", "zstd", "crc32c"]):
                 raise SchemaError(f"{what}: inner codecs must be [bytes, crc32c] or [bytes, zstd, crc32c], found {names_}", tensor=name, file=what)
-            if _strip(codecs[0]) != _strip(expected_first) and not (dtypes.itemsize(dtype) == 1 and codecs[0].get("configuration")):
+            if codecs[0] != expected_first and _strip(codecs[0]) != _strip(expected_first) and not (dtypes.itemsize(dtype) == 1 and codecs[0].get("configuration")):
                 raise SchemaError(f"{what}: inner bytes codec must be little-endian", tensor=name, file=what)
             if len(codecs) == 3:
                 compression = codecs[1]
@@ -344,7 +345,7 @@ class ArrayMeta:
                 if type(level) is not int or not -131072 <= level <= 22 or not isinstance(checksum, bool):
                     raise SchemaError(f"{what}: zstd configuration {str(conf)[:200]} needs an integer level in "
                                       "[-131072, 22] and a boolean checksum", tensor=name, file=what)
-        if [_strip(c) for c in shard["index_codecs"]] != [_BYTES_LE, _CRC]:
+        if shard["index_codecs"] != _INDEX_CODECS and [_strip(c) for c in shard["index_codecs"]] != _INDEX_CODECS:
             raise SchemaError(f"{what}: index codecs must be [bytes little-endian, crc32c]", tensor=name, file=what)
         logical = attrs.get("logical")
         if logical is not None:

@@ -7,6 +7,7 @@ byte outside [A-Za-z0-9._-] in a key. Escaping is a bijection, so keys decode ba
 
 from __future__ import annotations
 
+import functools
 import re
 
 from ucl.errors import InvalidNameError
@@ -22,6 +23,23 @@ _PLAIN_SEGMENT = re.compile(r"[A-Za-z0-9._-]+")  # escapes to itself (unless "."
 
 def check_name(name: object) -> str:
     """Return ``name`` if it is a valid tensor name, else raise InvalidNameError saying why."""
+    if type(name) is str:
+        return _check_str(name)
+    return _check(name)
+
+
+# Names are checked, escaped and unescaped several times per array on every open (a step of 300 tensors:
+# ~3,000 calls); the answers are pure functions of the string, so the valid ones are remembered. An
+# invalid name raises, and exceptions are never cached.
+_CACHED = 1 << 16
+
+
+@functools.lru_cache(maxsize=_CACHED)
+def _check_str(name: str) -> str:
+    return _check(name)
+
+
+def _check(name: object) -> str:
     if not isinstance(name, str):
         raise InvalidNameError(f"tensor name must be a string, got {type(name).__name__}")
     if not name:
@@ -58,11 +76,30 @@ def _escape_segment(seg: str) -> str:
 
 def to_key(name: str) -> str:
     """The storage path of a tensor name, relative to its step (a bijection on valid names)."""
+    if type(name) is str:
+        return _to_key(name)
+    check_name(name)
+    raise AssertionError("unreachable: check_name refuses every non-string")
+
+
+@functools.lru_cache(maxsize=_CACHED)
+def _to_key(name: str) -> str:
     return "/".join(_escape_segment(s) for s in check_name(name).split("/"))
 
 
 def from_key(key: str) -> str:
     """The tensor name of a storage path; raises InvalidNameError when ``key`` is not a canonical escape."""
+    if type(key) is str and key:
+        return _from_key(key)
+    return _from_key_checked(key)
+
+
+@functools.lru_cache(maxsize=_CACHED)
+def _from_key(key: str) -> str:
+    return _from_key_checked(key)
+
+
+def _from_key_checked(key: str) -> str:
     if not isinstance(key, str) or not key:
         raise InvalidNameError(f"array path {key!r} is empty or not a string")
     segments = key.split("/")
