@@ -106,3 +106,31 @@ def test_swapped_shards_fail_whole_reads(tmp_path: Path, monkeypatch: pytest.Mon
         ucl.open(str(tmp_path / "r"), options=opts)["w"][:, 0:24]  # a box covering every chunk of both shards
     # a partial read of one shard passes its chunks' crc32c's (and is not required to see the swap)
     ucl.open(str(tmp_path / "r"), options=opts)["w"][1:3, 2:9]
+
+
+def test_edge_chunks_of_a_row_slice_read_in_part(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A buffered row slice reads the part of an edge chunk it needs in place and the rest through a small
+    buffer (read/boxes.py _read_part): bit-exact for every slice, padded last chunk included, and a
+    flipped byte anywhere in an edge chunk, inside the rows taken or outside them, fails its crc32c."""
+    from ucl.errors import ChecksumError
+    from ucl.options import ReadOptions
+    from ucl.read import boxes
+
+    monkeypatch.setattr(boxes, "_SCRATCH", 40)  # several pieces per skipped run (a row is 32 bytes)
+    t = torch.arange(53 * 8, dtype=torch.float32).reshape(53, 8)
+    _write(tmp_path, {"w": t}, {"w": (56, 8)}, {"w": (7, 8)})  # 8 chunks of 7 rows, the last one padded
+    opts = ReadOptions(direct=False)
+    with ucl.open(str(tmp_path), options=opts) as ck:
+        for a in range(53):
+            for b in range(a + 1, 54):
+                assert torch.equal(ck["w"][a:b], t[a:b]), (a, b)
+    shard = tmp_path / "steps" / "0" / "w" / "c" / "0" / "0"
+    raw = shard.read_bytes()
+    chunk = 7 * 8 * 4 + 4  # bytes of an inner chunk with its crc32c; chunk 1 holds rows 7..13
+    for row, what in ((8, "outside the rows taken"), (11, "inside the rows taken")):
+        bad = bytearray(raw)
+        bad[chunk + (row - 7) * 32 + 5] ^= 0x10
+        shard.write_bytes(bytes(bad))
+        with ucl.open(str(tmp_path), options=opts) as ck, pytest.raises(ChecksumError, match=r"inner chunk \[1, 0\]"):
+            ck["w"][10:30]
+    shard.write_bytes(raw)

@@ -376,7 +376,12 @@ def parse_index(meta: ArrayMeta, raw: bytes, file_size: int, where: str) -> np.n
 
 def check_chunk(meta: ArrayMeta, data: memoryview, crc: int, where: str, coords: tuple[int, ...]) -> None:
     if _native.crc32c(data) != crc:
-        raise ChecksumError(f"{where}: inner chunk {list(coords)} of tensor {meta.name!r} fails its crc32c", tensor=meta.name, file=where)
+        raise chunk_checksum_error(meta, where, coords)
+
+
+def chunk_checksum_error(meta: ArrayMeta, where: str, coords: tuple[int, ...]) -> ChecksumError:
+    return ChecksumError(f"{where}: inner chunk {list(coords)} of tensor {meta.name!r} fails its crc32c",
+                         tensor=meta.name, file=where)
 
 
 def decode_chunk(meta: ArrayMeta, encoded: memoryview, where: str, coords: tuple[int, ...]) -> memoryview:

@@ -26,11 +26,12 @@ from ucl.read.files import StepFiles
 class ChunkRead:
     """One inner chunk to read: where it lies in its shard and where its bytes go."""
 
-    __slots__ = ("meta", "key", "coords", "offset", "nbytes", "direct", "scratch", "crc", "place")
+    __slots__ = ("meta", "key", "coords", "offset", "nbytes", "direct", "scratch", "crc", "place", "part")
 
     def __init__(self, meta: ArrayMeta, key: str, coords: tuple[int, ...], offset: int, nbytes: int,
                  direct: memoryview | None, scratch: bytearray | None = None,
-                 place: Callable[[memoryview], None] | None = None) -> None:
+                 place: Callable[[memoryview], None] | None = None,
+                 part: tuple[int, int, memoryview] | None = None) -> None:
         self.meta = meta
         self.key = key
         self.coords = coords
@@ -40,6 +41,11 @@ class ChunkRead:
         self.scratch = scratch  # allocated when first needed (an O_DIRECT read places from its pooled buffer)
         self.crc = bytearray(4)
         self.place = place  # copies decoded scratch bytes into the destination
+        # (lo, hi, destination): the chunk's bytes [lo, hi) are one contiguous run of the destination
+        # (a raw chunk at the edge of a row slice). A buffered read then reads that run in place and the
+        # rest through a small reused buffer, checksumming as it goes (read/boxes.py: _read_part), so
+        # the edge chunks of a slice cost no chunk-sized buffer of fresh memory
+        self.part = part
 
     @property
     def target(self) -> memoryview:
@@ -210,7 +216,12 @@ def _plan_rows(files: StepFiles, req: Request, stop: tuple[int, ...], key: str, 
             d = (a - a0) * run
             chunks.append(ChunkRead(meta, key, (k, *rest), off, nb, out_bytes[d : d + i0 * run]))
         else:
-            chunks.append(_chunk(files, req, stop, key, index, origin, (k, *rest), k, out_bytes, True))
+            c = _chunk(files, req, stop, key, index, origin, (k, *rest), k, out_bytes, True)
+            lo, hi = max(a, a0), min(b, b0, n0)
+            if c.direct is None and nb == meta.inner_nbytes + 4:
+                d = (lo - a0) * run
+                c.part = ((lo - a) * run, (hi - a) * run, out_bytes[d : d + (hi - lo) * run])
+            chunks.append(c)
 
 
 def _chunk(files: StepFiles, req: Request, stop: tuple[int, ...], key: str, index: np.ndarray,
@@ -271,14 +282,15 @@ def _placers(meta: ArrayMeta, out: torch.Tensor, files: StepFiles,
 
 
 def segments(chunks: list[ChunkRead], max_bytes: int) -> list[list[ChunkRead]]:
-    """Group chunks of the same file whose bytes are adjacent, up to ``max_bytes`` per group."""
+    """Group chunks of the same file whose bytes are adjacent, up to ``max_bytes`` per group (a chunk
+    read in part, :attr:`ChunkRead.part`, is a group of its own)."""
     chunks = sorted(chunks, key=lambda c: (c.key, c.offset))
     groups: list[list[ChunkRead]] = []
     size = 0
     for c in chunks:
         g = groups[-1] if groups else None
         adjacent = g is not None and g[-1].key == c.key and g[-1].offset + g[-1].nbytes == c.offset
-        if g and adjacent and size + c.nbytes <= max_bytes:
+        if g and adjacent and size + c.nbytes <= max_bytes and c.part is None and g[-1].part is None:
             g.append(c)
             size += c.nbytes
         else:
