@@ -211,3 +211,30 @@ def test_deep_schemas_compile() -> None:
         bad = bad["a"]  # type: ignore[index]
     bad["a"] = "1"  # type: ignore[index]
     assert not fast(doc)
+
+
+def test_the_shipped_predicates_are_those_of_the_schemas() -> None:
+    """ucl/format/_schemas_compiled.py is what the compiler makes of the schemas as they are (regenerate:
+    python -m ucl.format.metadata), and the checks of a read use it."""
+    assert metadata.COMPILED_MODULE.read_text() == metadata.compiled_module_source(), (
+        "ucl/format/_schemas_compiled.py is stale: run python -m ucl.format.metadata")
+    from ucl.format import _schemas_compiled as shipped
+
+    assert metadata._compiled("array") is shipped.ENTRIES[("array.schema.json", "")]
+    assert set(shipped.ENTRIES) == {(f"{n}.schema.json", p) for n, p in metadata.SHIPPED_SCHEMAS}
+
+
+def test_a_stale_shipped_module_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ucl.format import _schemas_compiled as shipped
+
+    monkeypatch.setattr(shipped, "DIGEST", "0" * 64)
+    metadata._shipped.cache_clear()
+    metadata._compiled.cache_clear()
+    try:
+        check = metadata._compiled("array")
+        assert check is not shipped.ENTRIES[("array.schema.json", "")]
+        doc = next(d for d in DOCS if _reference("array", d))
+        assert check(doc)
+    finally:
+        metadata._shipped.cache_clear()
+        metadata._compiled.cache_clear()

@@ -7,6 +7,7 @@ allocated or read on the strength of a value that has not been checked.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field, replace
@@ -108,10 +109,44 @@ def _schema_compiler() -> Any:
     return Compiler({p.name: json.loads(p.read_text()) for p in SCHEMA_DIR.glob("*.schema.json")})
 
 
+#: the predicates shipped compiled (ucl/format/_schemas_compiled.py): every schema check of a read
+SHIPPED_SCHEMAS = (("array", ""), ("step", ""), ("commit", ""), ("repository", ""),
+                   ("layout", "/$defs/logical_record"))
+COMPILED_MODULE = Path(__file__).with_name("_schemas_compiled.py")
+
+
+def schemas_digest() -> str:
+    """SHA-256 over the schema files' names and bytes: which schemas a compiled module was made from."""
+    h = hashlib.sha256()
+    for p in sorted(SCHEMA_DIR.glob("*.schema.json")):
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def compiled_module_source() -> str:
+    """What ucl/format/_schemas_compiled.py holds for the schemas as they are."""
+    from ucl.format.schema_compile import Compiler
+
+    docs = {p.name: json.loads(p.read_text()) for p in sorted(SCHEMA_DIR.glob("*.schema.json"))}
+    return Compiler(docs).module([(f"{n}.schema.json", ptr) for n, ptr in SHIPPED_SCHEMAS], schemas_digest())
+
+
+@cache
+def _shipped() -> dict[tuple[str, str], Any]:
+    """The shipped predicates, when they were made from these schemas (else none: compiled here)."""
+    try:
+        from ucl.format import _schemas_compiled as shipped
+    except ImportError:
+        return {}
+    return shipped.ENTRIES if shipped.DIGEST == schemas_digest() else {}
+
+
 @cache
 def _compiled(name: str, pointer: str = "") -> Any:
-    """The fast predicate of a schema (ucl.format.schema_compile), built once per process."""
-    return _schema_compiler().compile(f"{name}.schema.json", pointer)
+    """The fast predicate of a schema (ucl.format.schema_compile): shipped with the package, or built
+    once per process."""
+    check = _shipped().get((f"{name}.schema.json", pointer))
+    return check if check is not None else _schema_compiler().compile(f"{name}.schema.json", pointer)
 
 
 def check_schema(doc: Any, schema: str, what: str) -> None:
@@ -749,3 +784,8 @@ def _split_path(rel: str) -> tuple[str, str]:
     if rel.endswith("/c"):
         return rel[:-2], "c"
     return "", rel
+
+
+if __name__ == "__main__":  # python -m ucl.format.metadata: regenerate the shipped schema predicates
+    COMPILED_MODULE.write_text(compiled_module_source())
+    print(f"wrote {COMPILED_MODULE}")
