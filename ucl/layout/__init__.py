@@ -30,9 +30,14 @@ from ucl.layout.model import (
     check_mesh,
 )
 from ucl.layout.syntax import format_layout, parse_layout
+from ucl.layout.views import VIEWS, HFLlama, Take, as_view
 
 __all__ = [
     "BUILTINS",
+    "VIEWS",
+    "HFLlama",
+    "Take",
+    "as_view",
     "Box",
     "Flat",
     "Fused",

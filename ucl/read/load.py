@@ -36,6 +36,7 @@ from ucl.format import dtypes, structure
 from ucl.io import progress
 from ucl.io.stores.base import Store
 from ucl.layout import Layout, Mesh, as_layout, as_mesh, layout_from_dtensors, mesh_rank
+from ucl.layout.views import as_view
 from ucl.options import DEFAULT_READ, ReadOptions
 from ucl.plan.copies import BoxCopy
 from ucl.plan.layout_load import plan_load
@@ -44,7 +45,7 @@ from ucl.read.checkpoint import Checkpoint
 from ucl.read.checkpoint import open as _open
 from ucl.read.tensors import alloc
 
-__all__ = ["load", "load_into", "load_plan"]
+__all__ = ["load", "load_into", "load_plan", "load_view"]
 
 PLAN_CACHE_SIZE = 32
 _PLANS: dict[Any, Any] = {}
@@ -61,6 +62,7 @@ def load(
     rank: int | None = None,
     tensors: Iterable[str] | None = None,
     flat: bool = False,
+    view: Any = None,
     approximate: bool = False,
     storage_options: dict[str, Any] | None = None,
     buffer_bytes: int | None = None,
@@ -83,6 +85,12 @@ def load(
         Load only these logical tensors (e.g. the model without its optimizer state).
     flat
         Return ``{local name: tensor}`` instead of the nested state dict.
+    view
+        Another framework's names for the step's logical tensors (:mod:`ucl.layout.views`): ``"hf-llama"``
+        gives a Megatron-core GPT/LLaMA step as the flat state dict of ``transformers``'
+        ``LlamaForCausalLM`` (fused QKV and gate/up split, only the rows each tensor needs read); or a
+        view object such as ``HFLlama(num_heads=..., num_kv_heads=...)``. ``tensors`` then selects
+        target names. Not with a target layout.
     approximate
         For a gradient-record step (spec/delta.md §8) whose optimizer fingerprint differs from this
         environment: replay it anyway (a ``ReplayWarning``) instead of failing with ``unknown_extension``.
@@ -101,6 +109,15 @@ def load(
     MeshMismatchError, UnmatchedPatternError, OverlappingRulesError, LayoutShapeError
         When the target layout does not fit the step's tensors (before anything is read).
     """
+    if view is not None:
+        if layout is not None or mesh is not None or rank is not None:
+            raise InvalidArgumentError("view= names the tensors of another framework's whole model: it takes no "
+                                       "layout=, mesh= or rank=")
+        if isinstance(path, Checkpoint):
+            return load_view(path, view, tensors)
+        with _open(path, step, storage_options=storage_options, approximate=approximate,
+                   options=options) as ckpt:
+            return load_view(ckpt, view, tensors)
     if layout is None:
         if mesh is not None or rank is not None:
             raise InvalidArgumentError("mesh= and rank= describe a target layout: pass layout= too")
@@ -113,6 +130,40 @@ def load(
         return _load(path, layout, mesh, rank, tensors, flat, buffer_bytes)
     with _open(path, step, storage_options=storage_options, approximate=approximate, options=options) as ckpt:
         return _load(ckpt, layout, mesh, rank, tensors, flat, buffer_bytes)
+
+
+def view_plan(ckpt: Checkpoint, view: Any) -> dict[str, Any]:
+    """``{target name: Take}`` of ``view`` over the step's logical tensors (no I/O)."""
+    shapes = {n: tuple(ckpt[n].shape) for n in ckpt.keys()}
+    return as_view(view).plan(shapes, ckpt.layout)
+
+
+def read_take(ckpt: Checkpoint, take: Any) -> torch.Tensor:
+    """The rows of one logical tensor that a view's target takes (only those rows read)."""
+    t = ckpt[take.source]
+    if take.ranges is None:
+        return t.read()
+    parts = [t[a:b] for a, b in take.ranges]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def load_view(ckpt: Checkpoint, view: Any, tensors: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """The step's model under another framework's names (``load(..., view=)``): ``{target: tensor}``."""
+    plan = view_plan(ckpt, view)
+    if tensors is not None:
+        want = list(tensors)
+        missing = [n for n in want if n not in plan]
+        if missing:
+            raise TensorNotFoundError(f"view {getattr(as_view(view), 'name', view)!r} of step {ckpt.step} has no "
+                                      f"tensor {missing[0]!r}", tensor=missing[0])
+        plan = {n: plan[n] for n in want}
+    out: dict[str, torch.Tensor] = {}
+    done: dict[Any, torch.Tensor] = {}
+    for name, take in plan.items():
+        if take not in done:  # a tied output layer is the embedding: read once
+            done[take] = read_take(ckpt, take)
+        out[name] = done[take]
+    return out
 
 
 def _select(ckpt: Checkpoint, tensors: Iterable[str] | None, flat: bool) -> Any:

@@ -296,8 +296,10 @@ def cmd_export(a: argparse.Namespace) -> int:
     prefixes = [p for arg in a.tensors for p in arg.split(",") if p] if a.tensors is not None else None
     if a.tensors is not None and not prefixes:
         a.parser.error("argument --tensors: expected name prefixes, e.g. --tensors model/")
+    if a.config is not None and a.to is None:
+        a.parser.error("argument --config: a config.json goes with --to hf")
     r = export_safetensors(a.path, a.dst, a.step, tensors=prefixes, strip_prefix=a.strip_prefix,
-                           max_shard_size=a.max_shard_size)
+                           max_shard_size=a.max_shard_size, view={"hf": "hf-llama"}.get(a.to), config=a.config)
     text = f"exported {r.tensors} tensors ({_mb(r.bytes)}) to {len(r.files)} file(s)"
     text += f", index {r.index}" if r.index else f": {r.files[0]}" if r.files else ""
     if r.restored_files:
@@ -332,7 +334,8 @@ COMMANDS: list[tuple[str, str, str]] = [
      "model.safetensors.index.json\n  ucl import model.pt ckpt\n  ucl import dcp_checkpoint_dir/ ckpt"),
     ("export", "write a step (or a subtree) as safetensors: one file or a directory",
      "ucl export ckpt out/model.safetensors\n  ucl export ckpt out/ --step 100 --max-shard-size 2GB\n"
-     "  ucl export ckpt hf_out/ --tensors model/ --strip-prefix model/   # {'model': ..., 'optim': ...} -> HF"),
+     "  ucl export ckpt hf_out/ --tensors model/ --strip-prefix model/   # {'model': ..., 'optim': ...} -> HF\n"
+     "  ucl export megatron_ckpt hf_llama/ --to hf   # a Megatron-core GPT/LLaMA step -> LlamaForCausalLM"),
 ]
 
 
@@ -395,6 +398,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="export only tensors whose names begin with PREFIX (repeatable, or a comma list), e.g. model/")
     e.add_argument("--strip-prefix", metavar="PREFIX",
                    help="remove PREFIX from the front of every exported name, e.g. model/")
+    e.add_argument("--to", choices=["hf"], help="hf: a Megatron-core GPT/LLaMA step as a Hugging Face "
+                   "LlamaForCausalLM directory (the hf-llama view: q/k/v and gate/up split; config.json written)")
+    e.add_argument("--config", metavar="CONFIG_JSON", help="with --to hf: the model's config.json to write "
+                   "(default: one made from the step's shapes, with Megatron-core's default norm epsilon and rotary base)")
     e.add_argument("--max-shard-size", type=_size, metavar="SIZE",
                    help="in a directory, split into files of at most SIZE (5GB, 500MiB, ...) with an index; "
                    "default: the imported source's files, else 5GB. A NAME.safetensors export larger than SIZE fails")

@@ -47,9 +47,11 @@ from ucl.format import dtypes, names, structure
 from ucl.format.metadata import CommitRecord, StepMeta
 from ucl.format.repository import Repository, check_step
 from ucl.format.shardfile import as_bytes
+from ucl.layout.views import as_view
 from ucl.options import DEFAULT_WRITE, WriteOptions
 from ucl.plan.save import all_shards, array_for, shard_block
 from ucl.read.checkpoint import open as open_step
+from ucl.read.load import read_take, view_plan
 from ucl.tools.progress import Progress
 from ucl.write.step import FileEntry, StepWriter
 
@@ -498,6 +500,7 @@ class _Out:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    take: Any = None  # a view's rows of ``stored`` (ucl.layout.views.Take); None: the whole tensor
 
 
 @dataclass
@@ -680,10 +683,40 @@ def _owned(fname: str) -> bool:
     return fname.endswith((".safetensors", INDEX_SUFFIX))
 
 
+def _view_outs(ckpt: Any, view: Any) -> tuple[dict[str, _Out], Any]:
+    """Exported name -> tensor under a view (ucl.layout.views), a tied output layer left out (Hugging Face
+    writes it once, as the embedding, and ties it on load); and the view."""
+    v = as_view(view)
+    plan = view_plan(ckpt, v)
+    if plan.get("lm_head.weight") == plan.get("model.embed_tokens.weight"):
+        plan.pop("lm_head.weight", None)
+    out: dict[str, _Out] = {}
+    for name, take in plan.items():
+        t = ckpt[take.source]
+        rows = t.shape[0] if take.ranges is None else sum(b - a for a, b in take.ranges)
+        shape = (rows, *tuple(t.shape)[1:])
+        dtype = dtypes.from_torch(t.dtype, take.source)
+        out[name] = _Out(take.source, dtype, shape, math.prod(shape) * dtypes.itemsize(dtype), take)
+    return out, v
+
+
+def _hf_config(ckpt: Any, v: Any, config: Any) -> bytes:
+    """config.json: the one given (a path or a dict), else the view's, from the step's shapes."""
+    if config is None:
+        dtype = str(ckpt[next(iter(ckpt.keys()))].dtype).removeprefix("torch.")
+        doc = v.config({n: tuple(ckpt[n].shape) for n in ckpt.keys()}, ckpt.layout, dtype)
+    elif isinstance(config, dict):
+        doc = config
+    else:
+        with open(os.fspath(config)) as fh:
+            doc = json.load(fh)
+    return (json.dumps(doc, indent=2) + "\n").encode()
+
+
 def export_safetensors(path: Any, dst: str | os.PathLike[str], step: int | None = None, *,
                        tensors: str | Sequence[str] | None = None, strip_prefix: str | None = None,
                        max_shard_size: int | None = None, storage_options: dict[str, Any] | None = None,
-                       progress: bool | None = None) -> ExportResult:
+                       progress: bool | None = None, view: Any = None, config: Any = None) -> ExportResult:
     """Write a step's tensors (or a subtree of them) as safetensors, one tensor in memory at a time.
 
     Parameters
@@ -710,6 +743,11 @@ def export_safetensors(path: Any, dst: str | os.PathLike[str], step: int | None 
         gets a file of its own. When None and the step was imported from safetensors, the source's files,
         index and weight map are reproduced. A one-file export (``NAME.safetensors``) larger than
         ``max_shard_size`` fails before anything is written.
+    view, config
+        Export the step under another framework's names (``ucl export --to hf`` is ``view="hf-llama"``,
+        :mod:`ucl.layout.views`): a Megatron-core GPT/LLaMA step as a ``from_pretrained`` directory of
+        ``LlamaForCausalLM``, with ``config`` (a dict or the path of a config.json; default: made from the
+        step's shapes, :meth:`ucl.layout.views.HFLlama.config`). Not with ``tensors``/``strip_prefix``.
 
     Returns
     -------
@@ -727,10 +765,21 @@ def export_safetensors(path: Any, dst: str | os.PathLike[str], step: int | None 
     prefixes = _prefix_list(tensors)
     with open_step(path, step, storage_options=storage_options) as ckpt:
         meta = ckpt.meta
-        outs = _select(ckpt, prefixes, strip_prefix)
-        plan = _plan_files(meta, outs, dst, max_shard_size)
+        if view is not None:
+            if prefixes is not None or strip_prefix is not None:
+                raise InvalidArgumentError("a view (--to) names the exported tensors itself: it takes no tensors "
+                                           "(--tensors) or strip_prefix (--strip-prefix)")
+            outs, v = _view_outs(ckpt, view)
+            plan = _plan_files(meta, outs, dst, max_shard_size)
+            if plan.single:
+                raise InvalidArgumentError(f"a view (--to) writes a directory with its config.json; {dst} names one "
+                                           "file", file=dst)
+            extra = {"config.json": _hf_config(ckpt, v, config)}
+        else:
+            outs = _select(ckpt, prefixes, strip_prefix)
+            plan = _plan_files(meta, outs, dst, max_shard_size)
+            extra = {} if plan.single else _restorable(meta)
         orders = {fname: _st_order(outs, ns) for fname, ns in plan.files.items()}  # all checked before writing
-        extra = {} if plan.single else _restorable(meta)
         folder = plan.folder
         os.makedirs(folder, exist_ok=True)
         total = sum(o.nbytes for o in outs.values())
@@ -744,7 +793,8 @@ def export_safetensors(path: Any, dst: str | os.PathLike[str], step: int | None 
                     with open(tmp, "wb") as fh:
                         fh.write(_header(outs, tensor_names, plan.file_meta.get(fname)))
                         for name in tensor_names:
-                            t = ckpt[outs[name].stored].read()  # one tensor in memory at a time
+                            o = outs[name]  # one tensor in memory at a time
+                            t = read_take(ckpt, o.take) if o.take is not None else ckpt[o.stored].read()
                             fh.write(as_bytes(t))
                             bar.update(t.numel() * t.element_size())
                             del t
