@@ -292,3 +292,36 @@ def test_cuda_tensors_save_and_load_in_place(tmp_path: Any) -> None:
         dest = {n: torch.full_like(t, 5.0, device="cuda") for n, t in want.items()}
         ucl.load_into(tmp_path, dest, layout=target, mesh=mesh, rank=rank)
         assert all(torch.equal(dest[n].cpu(), want[n]) for n in want)
+
+
+@pytest.mark.parametrize(("src", "dst", "bound"), [((1, 2, 2), (1, 1, 4), 1.5), ((2, 1, 2), (1, 2, 2), 1.1),
+                                                   ((1, 1, 4), (1, 4, 1), 1.1)])
+def test_megatron_flat_buffers_under_another_tp_read_each_chunk_once(tmp_path: Any, src: tuple[int, ...],
+                                                                     dst: tuple[int, ...], bound: float) -> None:
+    """A column-split member of a ZeRO flat buffer is a row run per row on the target (issue 12: each run
+    re-read a whole inner chunk, 130x the shard for tp 2 -> 4); every inner chunk is now read once per
+    batch and delivered to each run (read/boxes.py _plan_once). The bound is what the chunks allow:
+    a target quarter of a source half column reads the whole half."""
+    from ucl.layout.builtins import megatron_gpt, megatron_gpt_params
+    from ucl.options import WriteOptions
+
+    cfg = dict(num_layers=2, num_heads=8, num_kv_heads=2, hidden=128, ffn_hidden=344, vocab_size=1001)
+    g = torch.Generator().manual_seed(0)
+    full = {}
+    for n, s in megatron_gpt_params(**cfg):
+        full["model/" + n] = torch.randn(s, generator=g)
+        full[f"optim/state/{n}/exp_avg"] = torch.randn(s, generator=g)
+    smesh, tmesh = Mesh.of(pp=src[0], dp=src[1], tp=src[2]), Mesh.of(pp=dst[0], dp=dst[1], tp=dst[2])
+    layout = megatron_gpt(**cfg, zero=smesh)
+    save_sharded([shard_local_state(full, layout, smesh, r) for r in range(smesh.size)], tmp_path, 0,
+                 layout=layout, mesh=smesh, options=WriteOptions(inner_chunk_bytes=16 << 10))
+    target = megatron_gpt(**cfg, zero=tmesh)
+    for rank in (0, tmesh.size - 1):
+        with ucl.open(tmp_path) as ckpt:
+            got = ucl.load(ckpt, layout=target, mesh=tmesh, rank=rank, flat=True, buffer_bytes=1 << 20)
+            need = sum(t.numel() * t.element_size() for t in got.values())
+            assert ckpt.bytes_read <= bound * need + _index_bytes(ckpt), (ckpt.bytes_read, need)
+        want = shard_local_state(full, target, tmesh, rank)
+        assert sorted(got) == sorted(want)
+        for n in want:
+            assert torch.equal(got[n], want[n]), (n, rank)

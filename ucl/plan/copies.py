@@ -82,6 +82,19 @@ class BoxCopy:
             i == n for i, n in zip(inner[k + 1:], self.shape[k + 1:], strict=True))
         return (touched - (whole if runs else 0)) * meta.inner_nbytes
 
+    def touched(self, limit: int = 4096) -> range | None:
+        """The inner chunks (ordinals in the array's inner grid) a 1-D stored box touches, or None (an
+        N-d box, or more than ``limit``): what a batch of reads shares, so its scratch is counted once."""
+        if len(self.shape) != 1 or not self.shape[0]:
+            return None
+        i = self.meta.inner_chunk_shape[0]
+        c = self.meta.chunk_shape[0]
+        a, n = self.start[0], self.shape[0]
+        lo, hi = a // i, -(-(a + n) // i)
+        if hi - lo > limit or c % i:
+            return None
+        return range(lo, hi)
+
     def split(self, budget: int) -> list[BoxCopy]:
         """This op as ops each within ``budget`` bytes (temporary + scratch), split along the first
         dimension of the stored box longer than 1, at inner-chunk boundaries, in row-major order."""

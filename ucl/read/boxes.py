@@ -64,6 +64,17 @@ def _from_memory(group: list[ChunkRead], mv: memoryview, base: int) -> None:
             _copy(c.direct, data)
         else:
             c.place(data)  # type: ignore[misc]
+        _deliver_also(c, data)
+
+
+def _deliver_also(c: ChunkRead, data: memoryview) -> None:
+    """The checked bytes of chunk ``c`` to the other requests that need the same chunk."""
+    for d in c.also:
+        d.crc[:] = c.crc  # a shard read whole checks its digest over every request's chunks
+        if d.direct is not None:
+            _copy(d.direct, data)
+        else:
+            d.place(data)  # type: ignore[misc]
 
 
 def _execute(files: StepFiles, group: list[ChunkRead]) -> None:
@@ -106,6 +117,25 @@ def _execute(files: StepFiles, group: list[ChunkRead]) -> None:
         check_chunk(c.meta, data, _CRC.unpack(c.crc)[0], c.key, c.coords)
         if c.place is not None:
             c.place(data)
+        _deliver_also(c, data)
+
+
+def _plan_once(files: StepFiles, requests: list[Request], digests: list[WholeShard]) -> list[ChunkRead]:
+    """The chunks of every request, each inner chunk read once: a chunk several requests need (the row
+    runs of a column-split member of a flat buffer each take a piece of the same chunks) is read by the
+    first and delivered from it to the others (:attr:`ChunkRead.also`)."""
+    chunks: list[ChunkRead] = []
+    first: dict[tuple[str, int], ChunkRead] = {}
+    for r in requests:
+        for c in plan_request(files, r, digests):
+            p = first.get((c.key, c.offset))
+            if p is None:
+                first[(c.key, c.offset)] = c
+                chunks.append(c)
+            else:
+                p.part = None  # read whole: the others need the rest of it
+                p.also.append(c)
+    return chunks
 
 
 def _copy(dst: memoryview, src: memoryview) -> None:
@@ -184,12 +214,12 @@ def _read(files: StepFiles, requests: list[Request], pool: Executor | None, opti
             for r, shards in live:
                 for s, whole in shards:
                     files.index(r.meta, s, whole)
-                digests: list[WholeShard] = []
-                for g in segments(plan_request(files, r, digests), seg):
-                    _execute(files, g)
-                _check_digests(files, digests)
+            digests: list[WholeShard] = []
+            for g in segments(_plan_once(files, [r for r, _ in live], digests), seg):
+                _execute(files, g)
+            _check_digests(files, digests)
             return
-        # indexes on their own threads; each request's data is read as soon as its indexes are in
+        # indexes on their own threads; the data read once every request is planned
         todo = {}
         for r, shards in live:
             for s, whole in shards:
@@ -207,7 +237,8 @@ def _read(files: StepFiles, requests: list[Request], pool: Executor | None, opti
                         f.result()
                     else:
                         files.index(r.meta, s, whole)
-                dfut += [pool.submit(_execute, files, g) for g in segments(plan_request(files, r, digests), seg)]
+            chunks = _plan_once(files, [r for r, _ in live], digests)
+            dfut += [pool.submit(_execute, files, g) for g in segments(chunks, seg)]
             for f in dfut:
                 f.result()
             _check_digests(files, digests)

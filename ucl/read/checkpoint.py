@@ -389,6 +389,9 @@ class Checkpoint:
         batch: list[Request] = []
         post: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
         cost = 0
+        # inner chunks of 1-D stored boxes (flat buffers) already in the batch: a chunk that several ops
+        # need is read once (read/boxes.py), so its scratch counts once, and such ops share a batch
+        shared: set[tuple[str, int]] = set()
 
         def flush() -> None:
             nonlocal cost
@@ -403,6 +406,7 @@ class Checkpoint:
                         dst.copy_(src)
             batch.clear()
             post.clear()
+            shared.clear()
             cost = 0
 
         for op in ops:
@@ -410,8 +414,16 @@ class Checkpoint:
                 dst = sub.destination()
                 direct = sub.direct
                 c = sub.cost()
+                chunks = sub.touched() if c else None
+                if chunks is not None:
+                    new = [k for k in chunks if (sub.meta.name, k) not in shared]
+                    c = (0 if direct else sub.nbytes) + (sub.scratch_bytes() * len(new) // len(chunks))
                 if batch and cost + c > budget:
                     flush()
+                    if chunks is not None:  # a new batch: every chunk of this op is its own again
+                        c = sub.cost()
+                if chunks is not None:
+                    shared.update((sub.meta.name, k) for k in chunks)
                 cost += c
                 if direct:
                     batch.append(Request(sub.meta, sub.start, sub.shape, dst.view(sub.shape)))

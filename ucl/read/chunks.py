@@ -26,7 +26,7 @@ from ucl.read.files import StepFiles
 class ChunkRead:
     """One inner chunk to read: where it lies in its shard and where its bytes go."""
 
-    __slots__ = ("meta", "key", "coords", "offset", "nbytes", "direct", "scratch", "crc", "place", "part")
+    __slots__ = ("meta", "key", "coords", "offset", "nbytes", "direct", "scratch", "crc", "place", "part", "also")
 
     def __init__(self, meta: ArrayMeta, key: str, coords: tuple[int, ...], offset: int, nbytes: int,
                  direct: memoryview | None, scratch: bytearray | None = None,
@@ -46,6 +46,7 @@ class ChunkRead:
         # rest through a small reused buffer, checksumming as it goes (read/boxes.py: _read_part), so
         # the edge chunks of a slice cost no chunk-sized buffer of fresh memory
         self.part = part
+        self.also: list[ChunkRead] = []  # other requests' reads of this same chunk: delivered from this one
 
     @property
     def target(self) -> memoryview:
