@@ -118,6 +118,7 @@ def _execute(files: StepFiles, group: list[ChunkRead]) -> None:
         if c.place is not None:
             c.place(data)
         _deliver_also(c, data)
+        c.scratch = None  # delivered: its buffer is not needed any more (only its crc, for a digest)
 
 
 def _plan_once(files: StepFiles, requests: list[Request], digests: list[WholeShard]) -> list[ChunkRead]:
@@ -237,8 +238,9 @@ def _read(files: StepFiles, requests: list[Request], pool: Executor | None, opti
                         f.result()
                     else:
                         files.index(r.meta, s, whole)
-            chunks = _plan_once(files, [r for r, _ in live], digests)
-            dfut += [pool.submit(_execute, files, g) for g in segments(chunks, seg)]
+            # no list of the chunks kept here: a segment's buffers go as soon as it is delivered
+            dfut += [pool.submit(_execute, files, g)
+                     for g in segments(_plan_once(files, [r for r, _ in live], digests), seg)]
             for f in dfut:
                 f.result()
             _check_digests(files, digests)
