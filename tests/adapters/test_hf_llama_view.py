@@ -160,6 +160,8 @@ def test_a_megatron_tp_pp_step_loads_as_hf_llama(megatron_step: Path) -> None:
     assert torch.equal(sd["model.layers.3.mlp.up_proj.weight"], w["decoder.layers.3.mlp.linear_fc1.weight"][48:])
     assert torch.equal(sd["model.embed_tokens.weight"], w["embedding.word_embeddings.weight"])  # unpadded
     model = hf_model(sd)  # strict: every name and shape of LlamaForCausalLM, nothing else
+    again = ucl.load(megatron_step, layout="hf-llama")  # the view by its name where a layout goes
+    assert sorted(again) == sorted(sd) and all(torch.equal(again[n], sd[n]) for n in sd)
     want = megatron_forward(megatron_order(w), TOKENS)
     torch.testing.assert_close(_logits(model), want, rtol=1e-5, atol=1e-5)
 

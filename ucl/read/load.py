@@ -36,7 +36,7 @@ from ucl.format import dtypes, structure
 from ucl.io import progress
 from ucl.io.stores.base import Store
 from ucl.layout import Layout, Mesh, as_layout, as_mesh, layout_from_dtensors, mesh_rank
-from ucl.layout.views import as_view
+from ucl.layout.views import VIEWS, as_view
 from ucl.options import DEFAULT_READ, ReadOptions
 from ucl.plan.copies import BoxCopy
 from ucl.plan.layout_load import plan_load
@@ -90,7 +90,7 @@ def load(
         gives a Megatron-core GPT/LLaMA step as the flat state dict of ``transformers``'
         ``LlamaForCausalLM`` (fused QKV and gate/up split, only the rows each tensor needs read); or a
         view object such as ``HFLlama(num_heads=..., num_kv_heads=...)``. ``tensors`` then selects
-        target names. Not with a target layout.
+        target names. Not with a target layout; ``layout="hf-llama"`` means this view.
     approximate
         For a gradient-record step (spec/delta.md §8) whose optimizer fingerprint differs from this
         environment: replay it anyway (a ``ReplayWarning``) instead of failing with ``unknown_extension``.
@@ -109,6 +109,8 @@ def load(
     MeshMismatchError, UnmatchedPatternError, OverlappingRulesError, LayoutShapeError
         When the target layout does not fit the step's tensors (before anything is read).
     """
+    if view is None and isinstance(layout, str) and layout in VIEWS:  # layout="hf-llama": the view of that name
+        view, layout = layout, None
     if view is not None:
         if layout is not None or mesh is not None or rank is not None:
             raise InvalidArgumentError("view= names the tensors of another framework's whole model: it takes no "
