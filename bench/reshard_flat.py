@@ -1,7 +1,7 @@
 """Resharding a Megatron-core style step with ZeRO flat optimizer buffers: what one target rank reads
 beside what it holds, and the time, in a fresh process with a cold page cache.
 
-    ./dev bench reshard_flat [--reps 3] [--dir DIR] [--drop auto|fadvise|drop_caches]
+    ./dev bench reshard_flat [--reps 3] [--dir DIR] [--drop auto|fadvise|drop_caches] [--tiny]
 
 The state: ``megatron_gpt`` (8 heads in 2 query groups, hidden 512, ffn 1376, 4 layers, vocabulary 32001)
 with each parameter's ``exp_avg``, saved from one process (``ucl.save_sharded``: the files a distributed
@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
 CFG = dict(num_layers=4, num_heads=8, num_kv_heads=2, hidden=512, ffn_hidden=1376, vocab_size=32001)
+TINY = dict(num_layers=2, num_heads=4, num_kv_heads=2, hidden=64, ffn_hidden=176, vocab_size=1001)  # smoke test
 CASES = [((1, 2, 2), (1, 1, 4)), ((1, 2, 2), (1, 4, 1)), ((2, 1, 2), (1, 2, 2)), ((1, 1, 4), (1, 4, 1)),
          ((1, 1, 4), (2, 2, 1))]
 
@@ -88,8 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir")
     ap.add_argument("--drop", default="auto")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model (the smoke test)")
     ap.add_argument("--child", nargs="*")
     a = ap.parse_args(argv)
+    if a.tiny:
+        CFG.update(TINY)
+    tiny = ["--tiny"] if a.tiny else []
     if a.child:
         import json
 
@@ -107,14 +112,14 @@ def main(argv: list[str] | None = None) -> int:
         for src in dict.fromkeys(s for s, _ in CASES):
             path = os.path.join(d, "x".join(map(str, src)))
             shutil.rmtree(path, ignore_errors=True)
-            C.run_child([me, "--child", "save", path, ",".join(map(str, src))])
+            C.run_child([me, *tiny, "--child", "save", path, ",".join(map(str, src))])
             C.settle(d)
             for s2, dst in CASES:
                 if s2 != src:
                     continue
                 world = dst[0] * dst[1] * dst[2]
                 for rank in dict.fromkeys((0, world - 1)):
-                    runs = [C.run_child([me, "--drop", a.drop, "--child", "load", path, ",".join(map(str, dst)),
+                    runs = [C.run_child([me, *tiny, "--drop", a.drop, "--child", "load", path, ",".join(map(str, dst)),
                                          str(rank)]) for _ in range(a.reps)]
                     r = runs[0]
                     ratio = C.median([x["bytes_read"] / x["local"] for x in runs])
@@ -125,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if a.dir is None:
             shutil.rmtree(d, ignore_errors=True)
-    print(f"`./dev bench reshard_flat --reps {a.reps}`\n\n{C.machine_line()}; megatron_gpt {CFG} + exp_avg, "
+    print(f"`./dev bench reshard_flat --reps {a.reps}{' --tiny' if a.tiny else ''}`\n\n{C.machine_line()}; megatron_gpt {CFG} + exp_avg, "
           f"(pp, dp, tp) source -> target; median of {a.reps} fresh processes, cold cache; total "
           f"{time.perf_counter() - t_all:.0f} s.\n")
     print(C.markdown_table(["(pp, dp, tp)", "rank", "local", "of it flat buffers", "ucl read", "read / local",

@@ -124,3 +124,19 @@ def test_goodput_bench_prints_every_case() -> None:
     for case in ["no checkpoint, no failure", "ucl tiered", "ucl tiered, Young/Daly", "ucl disk", "DCP async every 3"]:
         assert case in rows, f"no row for {case!r} in:\n{proc.stdout}"
     assert rows["no checkpoint, no failure"][1] == "1.000"
+
+
+@pytest.mark.slow  # ~40 s: ./dev test-long
+def test_reshard_flat_bench_prints_every_case(tmp_path: Path) -> None:
+    """bench/reshard_flat.py at its tiny size (~40 s: 15 fresh processes): a row per (case, rank), each
+    read within 3x its local state (at this size the shard indexes weigh)."""
+    bench = ROOT / "bench" / "reshard_flat.py"
+    proc = subprocess.run([sys.executable, str(bench), "--tiny", "--reps", "1", "--dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| (") and "->" in ln]
+    assert len(rows) == 10, proc.stdout
+    for ln in rows:
+        ratio = float(ln.split("|")[6].strip().rstrip("x"))
+        assert 1.0 <= ratio < 3.0, ln
