@@ -22,7 +22,7 @@ from typing import Any
 
 from ucl.errors import InvalidArgumentError
 from ucl.layout import patterns
-from ucl.layout.model import Fused, Grouped, Layout, Shard
+from ucl.layout.model import Fused, Grouped, Layout
 
 
 @dataclass(frozen=True)
@@ -203,8 +203,8 @@ def _parts(rule: Any, kinds: tuple[type, ...], ndim: int) -> Any:
     if rule is None:
         return None
     for t in rule.transforms:
-        if isinstance(t, kinds) and t.dim % ndim == 0:
-            return t.parts
+        if isinstance(t, kinds) and getattr(t, "dim") % ndim == 0:  # noqa: B009 - narrowed to object
+            return getattr(t, "parts")  # noqa: B009
     return None
 
 
