@@ -76,10 +76,9 @@ def _escape_segment(seg: str) -> str:
 
 def to_key(name: str) -> str:
     """The storage path of a tensor name, relative to its step (a bijection on valid names)."""
-    if type(name) is str:
-        return _to_key(name)
-    check_name(name)
-    raise AssertionError("unreachable: check_name refuses every non-string")
+    if type(name) is not str:
+        name = check_name(name)  # raises for a non-string; a str subclass is then cached as a str
+    return _to_key(name)
 
 
 @functools.lru_cache(maxsize=_CACHED)

@@ -216,7 +216,7 @@ class Compiler:
                 continue
             if single == kind or (kind == "number" and single == "integer"):
                 emit(s, v, base, out, depth)
-            elif single is not None and not (kind == "number" and single == "integer"):
+            elif single is not None:
                 continue  # keywords of another type than the one required: they never apply
             else:
                 out.append(f"{pad}if {_TYPES[kind].format(v=v)}:")
@@ -254,10 +254,7 @@ class Compiler:
         req = list(s.get("required", ()))
         if req:
             out.append(f"{pad}if {' or '.join(f'{n!r} not in {v}' for n in req)}: return False")
-        if "minProperties" in s:
-            out.append(f"{pad}if len({v}) < {int(s['minProperties'])}: return False")
-        if "maxProperties" in s:
-            out.append(f"{pad}if len({v}) > {int(s['maxProperties'])}: return False")
+        _lengths(s, "minProperties", "maxProperties", v, pad, out)
         for n, rs in s.get("dependentRequired", {}).items():
             if rs:
                 out.append(f"{pad}if {n!r} in {v} and ({' or '.join(f'{r!r} not in {v}' for r in rs)}): return False")
@@ -311,10 +308,7 @@ class Compiler:
 
     def _array(self, s: Mapping[str, Any], v: str, base: str, out: list[str], depth: int) -> None:
         pad = "    " * depth
-        if "minItems" in s:
-            out.append(f"{pad}if len({v}) < {int(s['minItems'])}: return False")
-        if "maxItems" in s:
-            out.append(f"{pad}if len({v}) > {int(s['maxItems'])}: return False")
+        _lengths(s, "minItems", "maxItems", v, pad, out)
         prefix = s.get("prefixItems", ())
         for i, sub in enumerate(prefix):
             w = self._fresh("v")
@@ -339,9 +333,14 @@ class Compiler:
 
     def _string(self, s: Mapping[str, Any], v: str, base: str, out: list[str], depth: int) -> None:
         pad = "    " * depth
-        if "minLength" in s:
-            out.append(f"{pad}if len({v}) < {int(s['minLength'])}: return False")
-        if "maxLength" in s:
-            out.append(f"{pad}if len({v}) > {int(s['maxLength'])}: return False")
+        _lengths(s, "minLength", "maxLength", v, pad, out)
         if "pattern" in s:
             out.append(f"{pad}if {self._const(re.compile(s['pattern']))}.search({v}) is None: return False")
+
+
+def _lengths(s: Mapping[str, Any], lo: str, hi: str, v: str, pad: str, out: list[str]) -> None:
+    """Bounds on ``len(v)``: minProperties/maxProperties, minItems/maxItems, minLength/maxLength."""
+    if lo in s:
+        out.append(f"{pad}if len({v}) < {int(s[lo])}: return False")
+    if hi in s:
+        out.append(f"{pad}if len({v}) > {int(s[hi])}: return False")

@@ -76,13 +76,12 @@ class HFLlama:
         shape; other tensors, such as optimizer state, are left out). Raises InvalidArgumentError naming
         what does not fit: no Megatron model, a layer tensor LLaMA has no place for, heads that do not
         divide the fused QKV."""
-        prefix = _prefix(shapes)
+        prefix, model = _model(shapes)
         out: dict[str, Take] = {}
-        model = {n[len(prefix):]: s for n, s in shapes.items() if n.startswith(prefix)}
         for rest, hf in _TOP.items():
             if rest in model:
                 out[hf] = Take(prefix + rest)
-        if "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
+        if "lm_head.weight" not in out:
             out["lm_head.weight"] = out["model.embed_tokens.weight"]  # tied: LLaMA keeps both names
         for rest, shape in model.items():
             m = _LAYER.fullmatch(rest)
@@ -108,19 +107,15 @@ class HFLlama:
             elif not _is_state(p):
                 raise InvalidArgumentError(f"view hf-llama: LLaMA has no place for tensor {source!r} "
                                            f"({p!r} of layer {i})", tensor=source)
-        if "model.embed_tokens.weight" not in out:
-            raise InvalidArgumentError("view hf-llama: the step holds no Megatron word embedding "
-                                       f"({prefix}embedding.word_embeddings.weight)")
         return out
 
     def config(self, shapes: Mapping[str, tuple[int, ...]], layout: Layout | None, dtype: str) -> dict[str, Any]:
         """A ``config.json`` for ``LlamaForCausalLM`` from the step's shapes. What the tensors do not say
         is Megatron-core's default: ``rms_norm_eps`` 1e-5 (``layernorm_epsilon``), ``rope_theta`` 10000
         (``rotary_base``); give the model's own config to keep its values."""
-        prefix = _prefix(shapes)
-        model = {n[len(prefix):]: s for n, s in shapes.items() if n.startswith(prefix)}
+        prefix, model = _model(shapes)
         layers = sorted({int(m.group(1)) for r in model if (m := _LAYER.fullmatch(r))})
-        vocab, hidden = model["embedding.word_embeddings.weight"]
+        vocab, hidden = model[_EMBEDDING]
         qkv = f"{prefix}decoder.layers.{layers[0]}.self_attention.linear_qkv.weight"
         nh, kv, hd, _ = self._heads(qkv, model[qkv[len(prefix):]], layout)
         ffn = model[f"decoder.layers.{layers[0]}.mlp.linear_fc2.weight"][1]
@@ -137,31 +132,28 @@ class HFLlama:
 
     # -- the fused QKV -------------------------------------------------------------------------------
     def _heads(self, source: str, shape: tuple[int, ...], layout: Layout | None) -> tuple[int, int, int, bool]:
-        """(heads, key/value groups, head size, logical tensor in Megatron's per-group order)."""
-        parts = _parts(_rule(source, layout) if layout is not None else None, (Grouped, Fused), len(shape))
-        if parts is not None and [p.name for p in parts] == ["q", "k", "v"]:
-            q, k, _ = parts
-            return q.count, k.count, q.unit, False
+        """(heads, key/value groups, head size, logical tensor in Megatron's per-group order), checked
+        against the tensor's rows."""
+        parts = _parts(_rule(source, layout), (Grouped, Fused), len(shape))
         if parts is not None:
-            raise InvalidArgumentError(f"view hf-llama: {source!r} is fused from parts "
-                                       f"{[p.name for p in parts]}, not q, k, v", tensor=source)
-        if self.num_heads is None:
+            if [p.name for p in parts] != ["q", "k", "v"]:
+                raise InvalidArgumentError(f"view hf-llama: {source!r} is fused from parts "
+                                           f"{[p.name for p in parts]}, not q, k, v", tensor=source)
+            nh, kv, hd, per_group = parts[0].count, parts[1].count, parts[0].unit, False
+        elif self.num_heads is None:
             raise InvalidArgumentError(
                 f"view hf-llama: {source!r} is stored in Megatron's per-group order (no grouped or fused q, k, v "
                 "in the step's layout): give its heads, HFLlama(num_heads=..., num_kv_heads=...)", tensor=source)
-        nh, kv = self.num_heads, self.num_kv_heads or self.num_heads
-        rows = shape[0]
-        hd = self.head_dim or rows // (nh + 2 * kv)
-        if nh % kv or (nh + 2 * kv) * hd != rows:
+        else:
+            nh, kv = self.num_heads, self.num_kv_heads or self.num_heads
+            hd, per_group = self.head_dim or shape[0] // (nh + 2 * kv), True
+        if nh % kv or (nh + 2 * kv) * hd != shape[0]:
             raise InvalidArgumentError(f"view hf-llama: {nh} heads in {kv} groups of head size {hd} do not make the "
-                                       f"{rows} rows of {source!r}", tensor=source)
-        return nh, kv, hd, True
+                                       f"{shape[0]} rows of {source!r}", tensor=source)
+        return nh, kv, hd, per_group
 
     def _qkv(self, source: str, shape: tuple[int, ...], layout: Layout | None) -> list[tuple[tuple[int, int], ...]]:
         nh, kv, hd, per_group = self._heads(source, shape, layout)
-        if (nh + 2 * kv) * hd != shape[0]:
-            raise InvalidArgumentError(f"view hf-llama: {source!r} has {shape[0]} rows, not ({nh} + 2 x {kv}) x {hd}",
-                                       tensor=source)
         if not per_group:  # the natural [all Q; all K; all V]
             q, k = nh * hd, kv * hd
             return [((0, q),), ((q, q + k),), ((q + k, q + 2 * k),)]
@@ -176,7 +168,7 @@ class HFLlama:
 def _fc1(source: str, shape: tuple[int, ...], layout: Layout | None) -> tuple[tuple[int, int], tuple[int, int]]:
     """Gate and up rows of a SwiGLU ``linear_fc1`` (Megatron's glu: ``torch.chunk(x, 2)``, the gate first;
     megatron/core/transformer/mlp.py)."""
-    rule = _rule(source, layout) if layout is not None else None
+    rule = _rule(source, layout)
     parts = _parts(rule, (Fused,), len(shape))
     if parts is not None:
         if [p.name for p in parts] != ["gate", "up"]:
@@ -191,7 +183,10 @@ def _fc1(source: str, shape: tuple[int, ...], layout: Layout | None) -> tuple[tu
     return (0, h), (h, 2 * h)
 
 
-def _rule(source: str, layout: Layout) -> Any:
+def _rule(source: str, layout: Layout | None) -> Any:
+    """The rule of ``layout`` that stores ``source`` (None: no layout, or no rule)."""
+    if layout is None:
+        return None
     for rule in layout.rules:
         if any(patterns.match(p, source) is not None for p in rule.patterns):
             return rule
@@ -213,16 +208,20 @@ def _is_state(rest: str) -> bool:
     return rest.endswith("_extra_state")
 
 
-def _prefix(shapes: Mapping[str, tuple[int, ...]]) -> str:
-    """The subtree holding the Megatron model (``""``, ``"model/"``, ...): where its word embedding is."""
-    found = sorted({n[: -len(k)] for n in shapes for k in ("embedding.word_embeddings.weight",) if n.endswith(k)
-                    and (n == k or n[: -len(k)].endswith("/"))})
+_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def _model(shapes: Mapping[str, tuple[int, ...]]) -> tuple[str, dict[str, tuple[int, ...]]]:
+    """The subtree holding the Megatron model (``""``, ``"model/"``, ...: where its word embedding is) and
+    its tensors' shapes, by name within it."""
+    found = sorted({n[: -len(_EMBEDDING)] for n in shapes
+                    if n == _EMBEDDING or n.endswith("/" + _EMBEDDING)})
     if not found:
-        raise InvalidArgumentError("view hf-llama: the step holds no Megatron-core GPT model (no "
-                                   "embedding.word_embeddings.weight)")
+        raise InvalidArgumentError(f"view hf-llama: the step holds no Megatron-core GPT model (no {_EMBEDDING})")
     if len(found) > 1:
         raise InvalidArgumentError(f"view hf-llama: the step holds several Megatron models, under {found}")
-    return found[0]
+    prefix = found[0]
+    return prefix, {n[len(prefix):]: s for n, s in shapes.items() if n.startswith(prefix)}
 
 
 VIEWS: dict[str, Any] = {"hf-llama": HFLlama}

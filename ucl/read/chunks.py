@@ -30,8 +30,7 @@ class ChunkRead:
 
     def __init__(self, meta: ArrayMeta, key: str, coords: tuple[int, ...], offset: int, nbytes: int,
                  direct: memoryview | None, scratch: bytearray | None = None,
-                 place: Callable[[memoryview], None] | None = None,
-                 part: tuple[int, int, memoryview] | None = None) -> None:
+                 place: Callable[[memoryview], None] | None = None) -> None:
         self.meta = meta
         self.key = key
         self.coords = coords
@@ -45,7 +44,7 @@ class ChunkRead:
         # (a raw chunk at the edge of a row slice). A buffered read then reads that run in place and the
         # rest through a small reused buffer, checksumming as it goes (read/boxes.py: _read_part), so
         # the edge chunks of a slice cost no chunk-sized buffer of fresh memory
-        self.part = part
+        self.part: tuple[int, int, memoryview] | None = None
         self.also: list[ChunkRead] = []  # other requests' reads of this same chunk: delivered from this one
 
     @property

@@ -700,10 +700,10 @@ def _view_outs(ckpt: Any, view: Any) -> tuple[dict[str, _Out], Any]:
     return out, v
 
 
-def _hf_config(ckpt: Any, v: Any, config: Any) -> bytes:
-    """config.json: the one given (a path or a dict), else the view's, from the step's shapes."""
+def _hf_config(ckpt: Any, v: Any, config: Any, dtype: str) -> bytes:
+    """config.json: the one given (a path or a dict), else the view's, from the step's shapes (``dtype``:
+    the model's, its embedding's)."""
     if config is None:
-        dtype = str(ckpt[next(iter(ckpt.keys()))].dtype).removeprefix("torch.")
         doc = v.config({n: tuple(ckpt[n].shape) for n in ckpt.keys()}, ckpt.layout, dtype)
     elif isinstance(config, dict):
         doc = config
@@ -774,7 +774,7 @@ def export_safetensors(path: Any, dst: str | os.PathLike[str], step: int | None 
             if plan.single:
                 raise InvalidArgumentError(f"a view (--to) writes a directory with its config.json; {dst} names one "
                                            "file", file=dst)
-            extra = {"config.json": _hf_config(ckpt, v, config)}
+            extra = {"config.json": _hf_config(ckpt, v, config, outs["model.embed_tokens.weight"].dtype)}
         else:
             outs = _select(ckpt, prefixes, strip_prefix)
             plan = _plan_files(meta, outs, dst, max_shard_size)
