@@ -98,6 +98,25 @@ flat "flat/{state}" -> "opt/{member}/{state}" over dp align 4: [
 """
 
 
+DISTOPT = """ucl-layout 3
+mesh dp=3
+flat "flat/bucket0/{state}" -> "opt/{member}/{state}" over dp align 64 pad 128: [
+  "n" [6],
+  "w" [4, 25],
+]
+flat "flat/bucket1/{state}" -> "opt/{member}/{state}" over dp align 64 pad 128: [
+  "e" [7, 60],
+]
+"""
+
+
+def distopt_state() -> dict[str, torch.Tensor]:
+    full = {"model/w": dyadic((4, 25), 2200)}
+    for k, (m, shape) in enumerate([("n", (6,)), ("w", (4, 25)), ("e", (7, 60))]):
+        full[f"opt/{m}/exp_avg"] = dyadic(shape, 2210 + k)
+    return full
+
+
 def megatron_state() -> dict[str, torch.Tensor]:
     full: dict[str, torch.Tensor] = {}
     for i in range(3):
@@ -139,6 +158,7 @@ def split_partial(name: str, full: torch.Tensor, k: int) -> Callable[[list[dict[
 def build(root: Path, cases: Cases) -> None:
     _megatron(root, cases)
     _zero(root, cases)
+    _distopt(root, cases)
     _invalid(root, cases)
 
 
@@ -252,6 +272,29 @@ def _zero(root: Path, cases: Cases) -> None:
         {"model/col.weight": full["model/col.weight"]},
         boxes={"model/col.weight": [[[0, 3], [2, 4]]]},
         what=lambda n: ": a column split",
+    )
+
+
+def _distopt(root: Path, cases: Cases) -> None:
+    fx = "valid/layout_distopt"
+    full = distopt_state()
+    save_layout(Fx(root, fx), DISTOPT, "dp=3", full)
+    cases.add(
+        "a step saved by 3 ranks (dp=3) with Megatron-style distributed-optimizer buckets (members aligned "
+        "to 64, bucket ends padded to lcm(dp, 128) = 384, layout version 3) validates",
+        S_FLAT,
+        fx,
+        "validate",
+        verdict="valid",
+        may_fail_with=LEVEL0,
+    )
+    cases.reads(
+        S_FLAT,
+        fx,
+        {n: t for n, t in full.items() if n.startswith("opt/")},
+        may_fail_with=LEVEL0,
+        boxes={"opt/w/exp_avg": [[[2, 3], [20, 25]]], "opt/e/exp_avg": [[[3, 6], [50, 60]]]},
+        what=lambda n: ": a member that spans two ranks' partitions, after a 64-aligned gap",
     )
 
 
@@ -443,10 +486,10 @@ def _invalid(root: Path, cases: Cases) -> None:
         )
 
     step_layout(
-        "layout_version_3",
-        "a step layout of ucl_layout version 3 (versions 1 and 2 are defined)",
+        "layout_version_4",
+        "a step layout of ucl_layout version 4 (versions 1 to 3 are defined)",
         "invalid_layout",
-        lambda u: u["layout"].__setitem__("ucl_layout", 3),
+        lambda u: u["layout"].__setitem__("ucl_layout", 4),
     )
     step_layout(
         "layout_unknown_field",

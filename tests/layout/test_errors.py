@@ -194,8 +194,8 @@ def test_header_is_required():
         errors.LayoutSyntaxError, "line 1, column 1: expected 'ucl-layout 1' on the first line, found 'mesh'"
     ):
         parse_layout("mesh tp=2\n")
-    with raises(errors.LayoutSyntaxError, "line 1, column 12: layout version 3; this implementation reads 1, 2"):
-        parse_layout("ucl-layout 3\n")
+    with raises(errors.LayoutSyntaxError, "line 1, column 12: layout version 4; this implementation reads 1, 2, 3"):
+        parse_layout("ucl-layout 4\n")
     assert parse_layout("ucl-layout 2\n").version == 2  # a version 2 document need not use grouped
     with raises(errors.InvalidLayoutError, "line 1, column 1: grouped (spec/layout.md §7.10) needs layout version 2; "
                 "this layout declares version 1"):
@@ -246,9 +246,9 @@ def test_invalid_layouts(text, message):
 def test_json_form_refuses_unknown_fields():
     with raises(errors.InvalidLayoutError, "layout has unknown fields ['extra']"):
         Layout.from_dict({"ucl_layout": 1, "extra": 1})
-    with raises(errors.InvalidLayoutError, "layout version 3; this implementation reads versions 1, 2"):
-        Layout.from_dict({"ucl_layout": 3})
-    with raises(errors.InvalidLayoutError, "layout version True; this implementation reads versions 1, 2"):
+    with raises(errors.InvalidLayoutError, "layout version 4; this implementation reads versions 1, 2, 3"):
+        Layout.from_dict({"ucl_layout": 4})
+    with raises(errors.InvalidLayoutError, "layout version True; this implementation reads versions 1, 2, 3"):
         Layout.from_dict({"ucl_layout": True})
     with raises(
         errors.InvalidLayoutError,

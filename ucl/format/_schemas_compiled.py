@@ -9,7 +9,7 @@ import re
 from ucl.format.schema_compile import _unique, json_equal
 
 _MISSING = object()
-DIGEST = '592bd5b222c07aa1e2bbfa8eb93c25d2443afddb22d933f32eb312a06545c9ff'
+DIGEST = 'd05f602f4b780bfa1a8758274592d36dd5e1482f71a45005b1c06c2785d3b313'
 
 _c7 = 0
 _c8 = 4611686018427387903

@@ -159,6 +159,14 @@ def _search(block: tuple[int, ...], ext: tuple[int, ...], itemsize: int, target:
             mid = x * math.prod(block[p + 1 : q]) * itemsize
             for y in sizes(q, target / (mid * math.prod(block[q + 1 :]))):
                 consider([*base[:p], x, *block[p + 1 : q], y, *block[q + 1 :]], True)
+    if p > 0 and (best is None or best[0][0] > 0):
+        # nothing in range yet: the first split one dimension earlier (a block of 2 x 23 two-byte
+        # elements for 16 bytes: 1 x 23 is too large, 1 x 1 too small, 2 x 1 fits)
+        for x in _divisors(block[p - 1]):
+            for q in range(p, nd):
+                mid = x * math.prod(block[p:q]) * itemsize
+                for y in sizes(q, target / (mid * math.prod(block[q + 1 :]))):
+                    consider([*base[: p - 1], x, *block[p:q], y, *block[q + 1 :]], True)
     return best[1] if best is not None else None
 
 

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,25 +55,36 @@ def megatron_gpt_params(
     first: bool = True,
     last: bool = True,
 ) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, logical shape) of the parameters of a Megatron-core GPT model, in module order.
+    """(name, logical shape) of the parameters of a Megatron-core GPT model (local layer-norm names), in
+    the order the model registers them (``named_parameters``).
 
-    ``layers`` (default all) and ``first``/``last`` select the parameters of one pipeline stage.
+    ``layers`` (default all) and ``first``/``last`` select the parameters of one pipeline stage. A tied
+    embedding on a last stage that is not also the first is listed where Megatron's copy of it,
+    ``output_layer.weight``, is registered: after the final norm.
+
+    Registration order (Megatron-LM d98e8a6): GPTModel.__init__ builds ``embedding``, ``decoder``, then
+    ``output_layer`` (megatron/core/models/gpt/gpt_model.py); a TransformerLayer its input norm,
+    ``self_attention``, pre-MLP norm, ``mlp`` (transformer/transformer_layer.py); ``Attention.__init__``
+    builds ``linear_proj`` before ``SelfAttention.__init__`` builds ``linear_qkv``
+    (transformer/attention.py); MLP ``linear_fc1`` then ``linear_fc2`` (transformer/mlp.py); a linear
+    layer its weight, then its bias.
     """
     kv = num_kv_heads or num_heads
     hd = head_dim or hidden // num_heads
     vocab = padded_vocab or vocab_size
+    embedding = ("embedding.word_embeddings.weight", (vocab, hidden))
     out: list[tuple[str, tuple[int, ...]]] = []
     if first:
-        out.append(("embedding.word_embeddings.weight", (vocab, hidden)))
+        out.append(embedding)
     for i in range(num_layers) if layers is None else layers:
         p = f"decoder.layers.{i}."
         out.append((p + "input_layernorm.weight", (hidden,)))
-        out.append((p + "self_attention.linear_qkv.weight", ((num_heads + 2 * kv) * hd, hidden)))
-        if bias:
-            out.append((p + "self_attention.linear_qkv.bias", ((num_heads + 2 * kv) * hd,)))
         out.append((p + "self_attention.linear_proj.weight", (hidden, num_heads * hd)))
         if bias:
             out.append((p + "self_attention.linear_proj.bias", (hidden,)))
+        out.append((p + "self_attention.linear_qkv.weight", ((num_heads + 2 * kv) * hd, hidden)))
+        if bias:
+            out.append((p + "self_attention.linear_qkv.bias", ((num_heads + 2 * kv) * hd,)))
         out.append((p + "pre_mlp_layernorm.weight", (hidden,)))
         out.append((p + "mlp.linear_fc1.weight", ((2 if swiglu else 1) * ffn_hidden, hidden)))
         if bias:
@@ -84,7 +96,47 @@ def megatron_gpt_params(
         out.append(("decoder.final_layernorm.weight", (hidden,)))
         if not tied:
             out.append(("output_layer.weight", (vocab, hidden)))
+        elif not first:
+            out.append(embedding)
     return out
+
+
+def megatron_buckets(
+    numels: Sequence[int],
+    *,
+    bucket_size: int | None,
+    shared: Sequence[bool] | None = None,
+) -> list[list[int]]:
+    """Megatron-core's distributed-optimizer buckets: indices into ``numels`` (parameters in registration
+    order), bucket by bucket, each bucket in buffer order.
+
+    Megatron-LM d98e8a6, megatron/core/optimizer/distrib_optimizer.py,
+    ``DistributedOptimizer._compute_per_buffer_param_layout``: parameters are placed in reverse
+    registration order, each start rounded up to 64 elements; a bucket closes once its parameters span
+    ``bucket_size`` elements or more, and a ``shared_embedding`` parameter gets a bucket of its own. Each
+    bucket's end is then padded to ``lcm(dp, 128)`` (optimizer/param_layout.py ``pad_bucket_end``), which
+    the flat statements' ``pad`` says; since that is a multiple of 64, offsets within a bucket do not
+    depend on ``dp``.
+    """
+    shared = shared or [False] * len(numels)
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    start = 0  # offset from the bucket's start
+    for i in reversed(range(len(numels))):
+        start = -(-start // 64) * 64
+        if shared[i] and current:
+            buckets.append(current)
+            current, start = [], 0
+        current.append(i)
+        end = start + numels[i]
+        if (bucket_size is not None and end >= bucket_size) or shared[i]:
+            buckets.append(current)
+            current, start = [], 0
+        else:
+            start = end
+    if current:
+        buckets.append(current)
+    return buckets
 
 
 def megatron_gpt(
@@ -104,7 +156,8 @@ def megatron_gpt(
     pp_bounds: Sequence[int] | None = None,
     zero: Mesh | None = None,
     zero_axes: Sequence[str] = ("dp",),
-    zero_align: int = 1,
+    bucket_size: int | None = None,
+    pad_buckets_for_high_nccl_busbw: bool = False,
 ) -> Layout:
     """A Megatron-core style GPT/LLaMA layout over mesh axes ``tp`` and ``pp`` (size 1 is fine).
 
@@ -122,8 +175,18 @@ def megatron_gpt(
     - Layers are renumbered over ``pp`` (evenly by torch.chunk, or by ``pp_bounds``); the embedding lives on
       the first stage (and the last when ``tied``), the final norm and output layer on the last.
     - Optimizer states ``optim/state/<param>/<state>`` follow their parameters. With ``zero`` (the mesh),
-      they are flat ZeRO buffers ``optim/flat/<state>``, one per stage, split over ``zero_axes``.
+      they are the flat buffers of Megatron-core's distributed optimizer, exactly: per stage, the stage's
+      parameters (their TP-local pieces) in reverse registration order, each start a multiple of 64
+      elements, cut into buckets (:func:`megatron_buckets`; ``bucket_size`` on the first stage only, as
+      DistributedDataParallel sets it: None, the default, is one bucket, Megatron's default without
+      ``overlap_grad_reduce``), each bucket's end padded to ``lcm(dp, 128)`` (``lcm(dp, 128, 2**16)``
+      with ``pad_buckets_for_high_nccl_busbw``) and split evenly over ``zero_axes``. The rank's share of
+      bucket ``b`` of a state (``param``: the fp32 main parameters, ``exp_avg``, ...) is the 1-D local
+      tensor ``optim/flat/bucket<b>/<state>``, as DistributedOptimizer.get_parameter_state_dp_zero
+      builds each bucket's ``local_shards`` before gathering them.
     """
+    if bucket_size is not None and (type(bucket_size) is not int or bucket_size < 1):
+        raise InvalidLayoutError(f"bucket_size must be a positive number of elements or None, got {bucket_size!r}")
     kv = num_kv_heads or num_heads
     hd = head_dim or hidden // num_heads
     if qkv not in ("megatron", "concat", "interleaved"):
@@ -169,39 +232,64 @@ def megatron_gpt(
     layout = Layout(rules=tuple(rules), renumbers=(renumber,))
     if zero is None:
         return layout
-    bounds = renumber.stage_bounds(zero)
+    _megatron_allows(zero, num_layers=num_layers, num_heads=num_heads, num_kv_heads=kv, head_dim=hd,
+                     ffn_hidden=ffn_hidden, pp_bounds=pp_bounds)
+    return _distributed_optimizer(
+        layout, renumber, zero, tuple(zero_axes), bucket_size, 65536 if pad_buckets_for_high_nccl_busbw else 128,
+        dict(num_layers=num_layers, num_heads=num_heads, hidden=hidden, ffn_hidden=ffn_hidden,
+             vocab_size=vocab_size, num_kv_heads=kv, head_dim=hd, swiglu=swiglu, bias=bias, tied=tied),
+    )
+
+
+def _megatron_allows(mesh: Mesh, *, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                     ffn_hidden: int, pp_bounds: Sequence[int] | None) -> None:
+    """Refuse the parallel sizes Megatron-core refuses (its ``divide`` asserts; Megatron-LM d98e8a6
+    transformer/attention.py, tensor_parallel/layers.py, transformer/transformer_block.py), naming the rule."""
+    tp = mesh.axis_size("tp") if "tp" in mesh.names else 1
+    pp = mesh.axis_size("pp") if "pp" in mesh.names else 1
+    qkv = (num_heads + 2 * num_kv_heads) * head_dim
+    rules = [
+        (num_heads % tp == 0, f"tp={tp} does not divide the {num_heads} attention heads"),
+        (num_kv_heads % tp == 0 or tp % num_kv_heads == 0,
+         f"tp={tp} and the {num_kv_heads} query groups: one must divide the other"),
+        (qkv % tp == 0, f"tp={tp} does not divide linear_qkv's {qkv} rows"),
+        (ffn_hidden % tp == 0, f"tp={tp} does not divide ffn_hidden {ffn_hidden}"),
+        (pp_bounds is not None or num_layers % pp == 0,
+         f"pp={pp} does not divide the {num_layers} layers (give pp_bounds for uneven stages)"),
+    ]
+    for ok, why in rules:
+        if not ok:
+            raise InvalidLayoutError(f"megatron-gpt: Megatron-core refuses this configuration: {why}")
+
+
+def _distributed_optimizer(
+    layout: Layout, renumber: Renumber, mesh: Mesh, axes: tuple[str, ...], bucket_size: int | None,
+    pad: int, model: dict[str, Any],
+) -> Layout:
+    """``layout`` with the flat statements of Megatron-core's distributed optimizer on ``mesh``: one per
+    (stage, bucket). Bucket boundaries depend on the parameters' TP-local sizes, so they are computed here
+    from the layout's own rules on this mesh."""
+    from ucl.layout.resolve import Resolver  # resolve imports this module's neighbours, not this one
+
+    bounds = renumber.stage_bounds(mesh)
     stages = len(bounds) - 1
-    flats = []
+    flats: list[Flat] = []
     for s in range(stages):
         params = megatron_gpt_params(
-            num_layers=num_layers,
-            num_heads=num_heads,
-            hidden=hidden,
-            ffn_hidden=ffn_hidden,
-            vocab_size=vocab_size,
-            num_kv_heads=kv,
-            head_dim=hd,
-            swiglu=swiglu,
-            bias=bias,
-            tied=tied,
-            layers=range(bounds[s + 1] - bounds[s]),
-            first=s == 0 or (tied and s == stages - 1),
-            last=s == stages - 1,
+            **model, layers=range(bounds[s + 1] - bounds[s]), first=s == 0, last=s == stages - 1
         )
-        members = [(n, sh) for n, sh in params]  # logical shapes; layer numbers local to the stage
-        if not members:
+        if not params:
             continue  # a stage without parameters holds no buffer
         on: Placement = (("pp", (s,)),) if stages > 1 else ()
-        flats.append(
-            Flat(
-                "optim/flat/{state}",
-                "optim/state/{member}/{state}",
-                tuple(zero_axes),
-                tuple(members),
-                zero_align,
-                on,
-            )
-        )
+        whole = Flat("optim/flat/{state}", "optim/state/{member}/{state}", axes, tuple(params), 1, on)
+        probe = Resolver(Layout(rules=layout.rules, renumbers=layout.renumbers, flats=(whole,)), mesh)
+        coords = {a: 0 for a in mesh.names} | ({"pp": s} if "pp" in mesh.names else {})
+        numels = [math.prod(m.view) for m in probe.flat_geom(0, "exp_avg", coords).members]
+        shared = [stages > 1 and model["tied"] and n == "embedding.word_embeddings.weight" for n, _ in params]
+        for b, idx in enumerate(megatron_buckets(numels, bucket_size=bucket_size if s == 0 else None,
+                                                 shared=shared)):
+            flats.append(Flat(f"optim/flat/bucket{b}/{{state}}", "optim/state/{member}/{state}", axes,
+                              tuple(params[i] for i in idx), 64, on, (pad,)))
     return Layout(rules=layout.rules, renumbers=layout.renumbers, flats=tuple(flats))
 
 

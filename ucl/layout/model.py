@@ -6,6 +6,7 @@ A :class:`Layout` is checked on construction for what can be checked without a m
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -14,8 +15,8 @@ from ucl.errors import InvalidLayoutError, MeshMismatchError
 from ucl.layout import patterns
 from ucl.layout.mesh import AXIS_NAME, Mesh
 
-VERSION = 2  # the newest layout version; a layout is written at the lowest version that expresses it
-VERSIONS = (1, 2)  # version 2 added `grouped` (spec/layout.md §7.10)
+VERSION = 3  # the newest layout version; a layout is written at the lowest version that expresses it
+VERSIONS = (1, 2, 3)  # version 2 added `grouped` (spec/layout.md §7.10), 3 a flat statement's `pad` (§7.6)
 Factor = int | str  # an integer or a mesh axis name (its size)
 
 
@@ -450,7 +451,12 @@ class Renumber:
 @dataclass(frozen=True)
 class Flat:
     """Flat fragments: local buffers ``buffer`` (one per state) hold the members' local pieces, flattened
-    and concatenated (each start aligned to ``align`` elements), split over ``axes``."""
+    and concatenated (each start aligned to ``align`` elements), split over ``axes``.
+
+    Without ``pad`` the whole buffer is a multiple of ``K * align`` elements (``K`` ranks of ``axes``);
+    with ``pad`` (version 3) a multiple of ``lcm(K, product of pad)``, as Megatron pads a bucket's end to
+    ``lcm(dp, 128)`` while aligning its parameters to 64, and DeepSpeed pads to ``2 * dp`` aligning none.
+    """
 
     buffer: str  # pattern of the local buffer names; may capture {state}
     logical: str  # template of a member's logical name: {member} and {state}
@@ -458,6 +464,7 @@ class Flat:
     members: tuple[tuple[str, tuple[int, ...]], ...]  # (member, logical shape), in buffer order
     align: int = 1
     on: Placement = ()
+    pad: tuple[Factor, ...] = ()  # () : the version 1 rule (a multiple of K * align)
 
     def __post_init__(self) -> None:
         caps = patterns.captures(self.buffer)
@@ -486,6 +493,22 @@ class Flat:
         for axis, _ in self.on:
             if axis in self.axes:
                 raise _fail(f"flat {self.buffer!r}: axis {axis!r} both places and splits the buffer")
+        object.__setattr__(self, "pad", tuple(self.pad))
+        for f in self.pad:
+            if isinstance(f, str):
+                if not AXIS_NAME.fullmatch(f):
+                    raise _fail(f"flat {self.buffer!r}: pad factor {f!r} is not an axis name")
+            else:
+                _int(f, f"flat {self.buffer!r} pad factor", 1)
+
+    def length(self, total: int, mesh: Mesh) -> int:
+        """Elements of the whole buffer whose members end at ``total``: gaps and end padding included."""
+        k = math.prod(mesh.axis_size(a) for a in self.axes)
+        if not self.pad:
+            unit = k * self.align
+        else:
+            unit = math.lcm(k, math.prod(mesh.axis_size(f) if isinstance(f, str) else f for f in self.pad))
+        return max(1, -(-total // unit)) * unit
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -497,11 +520,15 @@ class Flat:
         }
         if self.on:
             d["on"] = _placement_dict(self.on)
+        if self.pad:
+            d["pad"] = list(self.pad)
         return d
 
     @classmethod
     def from_dict(cls, d: Any) -> Flat:
-        _keys(d, "flat", {"buffer", "logical", "axes", "members"}, {"align", "on"})
+        _keys(d, "flat", {"buffer", "logical", "axes", "members"}, {"align", "on", "pad"})
+        if not isinstance(d.get("pad", []), list):
+            raise _fail("flat pad must be a list of integers and axis names")
         if not isinstance(d["members"], list):
             raise _fail("flat members must be a list")
         return cls(
@@ -511,6 +538,7 @@ class Flat:
             tuple(tuple(m) if isinstance(m, list) else m for m in d["members"]),
             d.get("align", 1),
             _placement(d.get("on", {}), "flat"),
+            tuple(d.get("pad", [])),
         )
 
 
@@ -525,15 +553,18 @@ class Layout:
     version: int | None = None  # None: the lowest version that expresses the layout
 
     def __post_init__(self) -> None:
-        needs = 2 if any(isinstance(t, Grouped) for r in self.rules for t in r.transforms) else 1
+        needs, what = 1, ""
+        if any(isinstance(t, Grouped) for r in self.rules for t in r.transforms):
+            needs, what = 2, "grouped (spec/layout.md §7.10)"
+        if any(f.pad for f in self.flats):
+            needs, what = 3, "a flat statement's pad (spec/layout.md §7.6)"
         if self.version is None:
             object.__setattr__(self, "version", needs)
         if self.version not in VERSIONS:
             raise _fail(f"layout version {self.version!r}; this implementation reads versions "
                         f"{', '.join(map(str, VERSIONS))}")
         if self.version < needs:
-            raise _fail(f"grouped (spec/layout.md §7.10) needs layout version 2; this layout declares "
-                        f"version {self.version}")
+            raise _fail(f"{what} needs layout version {needs}; this layout declares version {self.version}")
         for name, typ in (("rules", Rule), ("renumbers", Renumber), ("flats", Flat)):
             v = tuple(getattr(self, name))
             object.__setattr__(self, name, v)
@@ -553,7 +584,7 @@ class Layout:
         for n in self.renumbers:
             out.add(n.axis)
         for f in self.flats:
-            out |= set(f.axes) | {a for a, _ in f.on}
+            out |= set(f.axes) | {a for a, _ in f.on} | {x for x in f.pad if isinstance(x, str)}
         return out
 
     def patterns(self) -> Iterator[tuple[str, str]]:

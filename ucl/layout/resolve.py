@@ -314,7 +314,7 @@ class Resolver:
             )
             offset += math.prod(view)
         k = math.prod(self.mesh.axis_size(a) for a in f.axes)
-        partition = max(1, -(-offset // (k * f.align))) * f.align
+        partition = f.length(offset, self.mesh) // k
         index = 0
         for a in f.axes:
             index = index * self.mesh.axis_size(a) + coords[a]

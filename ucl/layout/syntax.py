@@ -315,6 +315,13 @@ class _Parser:
         if self.at("align"):
             self.i += 1
             align = self.integer("an alignment")
+        pad: list[int | str] = []
+        if self.at("pad"):
+            self.i += 1
+            pad.append(self.factor())
+            while self.at("*"):
+                self.i += 1
+                pad.append(self.factor())
         on = self.placement() if self.at("on") else ()
         self.take(":")
         self.take("[")
@@ -325,7 +332,7 @@ class _Parser:
             if not self.at("]"):
                 self.take(",")
         self.take("]")
-        return Flat(buffer, logical, axes, tuple(members), align, on)
+        return Flat(buffer, logical, axes, tuple(members), align, on, tuple(pad))
 
 
 def parse_layout(text: str) -> Layout:
@@ -381,6 +388,7 @@ def format_layout(layout: Layout) -> str:
     lines.extend(format_rule(r) for r in layout.rules)
     for f in layout.flats:
         align = f" align {f.align}" if f.align != 1 else ""
+        align += f" pad {'*'.join(str(x) for x in f.pad)}" if f.pad else ""
         lines.append(
             f"flat {_s(f.buffer)} -> {_s(f.logical)} over {'*'.join(f.axes)}{align}{_placement(f.on)}: ["
         )
