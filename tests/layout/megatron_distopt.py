@@ -72,17 +72,21 @@ def logical_names(c: GPT) -> list[tuple[str, tuple[int, ...]]]:
     out = [("embedding.word_embeddings.weight", (c.vocab_size, c.hidden))]
     for i in range(c.num_layers):
         p = f"decoder.layers.{i}."
-        out += [(p + "input_layernorm.weight", (c.hidden,)),
-                (p + "self_attention.linear_proj.weight", (c.hidden, c.num_heads * hd)),
-                (p + "self_attention.linear_qkv.weight", (qkv, c.hidden)),
-                (p + "pre_mlp_layernorm.weight", (c.hidden,)),
-                (p + "mlp.linear_fc1.weight", (2 * c.ffn_hidden, c.hidden)),
-                (p + "mlp.linear_fc2.weight", (c.hidden, c.ffn_hidden))]
+        out += [
+            (p + "input_layernorm.weight", (c.hidden,)),
+            (p + "self_attention.linear_proj.weight", (c.hidden, c.num_heads * hd)),
+            (p + "self_attention.linear_qkv.weight", (qkv, c.hidden)),
+            (p + "pre_mlp_layernorm.weight", (c.hidden,)),
+            (p + "mlp.linear_fc1.weight", (2 * c.ffn_hidden, c.hidden)),
+            (p + "mlp.linear_fc2.weight", (c.hidden, c.ffn_hidden)),
+        ]
         if c.bias:
-            out += [(p + "self_attention.linear_proj.bias", (c.hidden,)),
-                    (p + "self_attention.linear_qkv.bias", (qkv,)),
-                    (p + "mlp.linear_fc1.bias", (2 * c.ffn_hidden,)),
-                    (p + "mlp.linear_fc2.bias", (c.hidden,))]
+            out += [
+                (p + "self_attention.linear_proj.bias", (c.hidden,)),
+                (p + "self_attention.linear_qkv.bias", (qkv,)),
+                (p + "mlp.linear_fc1.bias", (2 * c.ffn_hidden,)),
+                (p + "mlp.linear_fc2.bias", (c.hidden,)),
+            ]
     out.append(("decoder.final_layernorm.weight", (c.hidden,)))
     if not c.tied:
         out.append(("output_layer.weight", (c.vocab_size, c.hidden)))
@@ -103,7 +107,9 @@ def tp_local(c: GPT, name: str, t: torch.Tensor, tp: int, r: int) -> torch.Tenso
         return _vocab_rows(c, t, tp, r)
     if "linear_qkv" in name:
         nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        return megatron_qkv.rank_local(t[:nq], t[nq:nq + nk], t[nq + nk:], c.num_heads, c.num_kv_heads, tp, r)
+        return megatron_qkv.rank_local(
+            t[:nq], t[nq : nq + nk], t[nq + nk :], c.num_heads, c.num_kv_heads, tp, r
+        )
     if "linear_fc1" in name:
         gate, up = t.chunk(2, 0)
         return torch.cat([gate.chunk(tp, 0)[r], up.chunk(tp, 0)[r]], 0)
@@ -120,11 +126,18 @@ def stage_params(c: GPT, pp: int, s: int) -> list[tuple[str, str]]:
         out.append(("embedding.word_embeddings.weight", "embedding.word_embeddings.weight"))
     for j in range(per):
         lp, gp = f"decoder.layers.{j}.", f"decoder.layers.{s * per + j}."
-        for suffix in ["input_layernorm.weight", "self_attention.linear_proj.weight",
-                       *(["self_attention.linear_proj.bias"] if c.bias else []),
-                       "self_attention.linear_qkv.weight", *(["self_attention.linear_qkv.bias"] if c.bias else []),
-                       "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", *(["mlp.linear_fc1.bias"] if c.bias else []),
-                       "mlp.linear_fc2.weight", *(["mlp.linear_fc2.bias"] if c.bias else [])]:
+        for suffix in [
+            "input_layernorm.weight",
+            "self_attention.linear_proj.weight",
+            *(["self_attention.linear_proj.bias"] if c.bias else []),
+            "self_attention.linear_qkv.weight",
+            *(["self_attention.linear_qkv.bias"] if c.bias else []),
+            "pre_mlp_layernorm.weight",
+            "mlp.linear_fc1.weight",
+            *(["mlp.linear_fc1.bias"] if c.bias else []),
+            "mlp.linear_fc2.weight",
+            *(["mlp.linear_fc2.bias"] if c.bias else []),
+        ]:
             out.append((lp + suffix, gp + suffix))
     if s == pp - 1:
         out.append(("decoder.final_layernorm.weight", "decoder.final_layernorm.weight"))
@@ -135,8 +148,9 @@ def stage_params(c: GPT, pp: int, s: int) -> list[tuple[str, str]]:
     return out
 
 
-def buffer_layout(numels: list[int], shared: list[bool], bucket_size: int | None, dp: int,
-                  high_busbw: bool = False) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+def buffer_layout(
+    numels: list[int], shared: list[bool], bucket_size: int | None, dp: int, high_busbw: bool = False
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """(start, end) of each parameter (registration order) and of each bucket in the buffer, as
     ``_compute_per_buffer_param_layout`` computes them."""
     divisor = math.lcm(dp, 128, 2**16) if high_busbw else math.lcm(dp, 128)
@@ -172,9 +186,19 @@ def buffer_layout(numels: list[int], shared: list[bool], bucket_size: int | None
     return [index[p] for p in range(len(numels))], buckets
 
 
-def rank_state(c: GPT, logical: dict[str, torch.Tensor], states: tuple[str, ...], *, tp: int, pp: int, dp: int,
-               rank: int, bucket_size: int | None = None, distributed_optimizer: bool = True,
-               high_busbw: bool = False) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
+def rank_state(
+    c: GPT,
+    logical: dict[str, torch.Tensor],
+    states: tuple[str, ...],
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    rank: int,
+    bucket_size: int | None = None,
+    distributed_optimizer: bool = True,
+    high_busbw: bool = False,
+) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
     """What global rank ``rank`` of a (pp, dp, tp) job holds (tp fastest, then dp, then pp, as Megatron
     orders ranks): its model tensors by Megatron's local name, and for each bucket ``b`` its
     ``local_shards`` (state -> 1-D tensor). ``logical`` holds ``model/<name>`` and
@@ -194,9 +218,9 @@ def rank_state(c: GPT, logical: dict[str, torch.Tensor], states: tuple[str, ...]
         out[b] = {}
         for state in states:
             whole = torch.zeros(b1 - b0, dtype=torch.float32)
-            for (local, name), (p0, p1) in zip(params, index, strict=True):
+            for (_, name), (p0, p1) in zip(params, index, strict=True):
                 if b0 <= p0 < b1:
                     t = tp_local(c, name, logical[f"optim/state/{name}/{state}"], tp, r)
-                    whole[p0 - b0:p1 - b0] = t.reshape(-1)
-            out[b][state] = whole[lo - b0:hi - b0].clone()
+                    whole[p0 - b0 : p1 - b0] = t.reshape(-1)
+            out[b][state] = whole[lo - b0 : hi - b0].clone()
     return model, out

@@ -194,7 +194,8 @@ def test_header_is_required():
         errors.LayoutSyntaxError, "line 1, column 1: expected 'ucl-layout 1' on the first line, found 'mesh'"
     ):
         parse_layout("mesh tp=2\n")
-    with raises(errors.LayoutSyntaxError, "line 1, column 12: layout version 4; this implementation reads 1, 2, 3"):
+    msg = "line 1, column 12: layout version 4; this implementation reads 1, 2, 3"
+    with raises(errors.LayoutSyntaxError, msg):
         parse_layout("ucl-layout 4\n")
     assert parse_layout("ucl-layout 2\n").version == 2  # a version 2 document need not use grouped
     with raises(errors.InvalidLayoutError, "line 1, column 1: grouped (spec/layout.md §7.10) needs layout version 2; "

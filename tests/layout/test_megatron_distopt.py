@@ -39,19 +39,38 @@ def logical_state(c: ref.GPT, dtype: torch.dtype = torch.float32, seed: int = 0)
 
 
 def builtin(c: ref.GPT, mesh: Mesh, bucket_size: int | None = None, high_busbw: bool = False) -> Any:
-    return megatron_gpt(num_layers=c.num_layers, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
-                        hidden=c.hidden, ffn_hidden=c.ffn_hidden, vocab_size=c.vocab_size,
-                        vocab_multiple=c.make_vocab_size_divisible_by, bias=c.bias, tied=c.tied, zero=mesh,
-                        bucket_size=bucket_size, pad_buckets_for_high_nccl_busbw=high_busbw)
+    return megatron_gpt(
+        num_layers=c.num_layers,
+        num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads,
+        hidden=c.hidden,
+        ffn_hidden=c.ffn_hidden,
+        vocab_size=c.vocab_size,
+        vocab_multiple=c.make_vocab_size_divisible_by,
+        bias=c.bias,
+        tied=c.tied,
+        zero=mesh,
+        bucket_size=bucket_size,
+        pad_buckets_for_high_nccl_busbw=high_busbw,
+    )
 
 
-def reference_local(c: ref.GPT, logical: dict[str, torch.Tensor], tp: int, pp: int, dp: int, rank: int,
-                    bucket_size: int | None = None, high_busbw: bool = False) -> dict[str, torch.Tensor]:
+def reference_local(
+    c: ref.GPT,
+    logical: dict[str, torch.Tensor],
+    tp: int,
+    pp: int,
+    dp: int,
+    rank: int,
+    bucket_size: int | None = None,
+    high_busbw: bool = False,
+) -> dict[str, torch.Tensor]:
     """The reference rank's tensors under the names a ucl user hands them over: ``model/<Megatron's local
     name>`` (the tied copy on the last stage under the embedding's name, as the layout places it) and
     ``optim/flat/bucket<b>/<state>`` for each bucket's local shard."""
-    model, buckets = ref.rank_state(c, logical, STATES, tp=tp, pp=pp, dp=dp, rank=rank, bucket_size=bucket_size,
-                                    high_busbw=high_busbw)
+    model, buckets = ref.rank_state(
+        c, logical, STATES, tp=tp, pp=pp, dp=dp, rank=rank, bucket_size=bucket_size, high_busbw=high_busbw
+    )
     out = {}
     for name, t in model.items():
         if c.tied and name == "output_layer.weight":
@@ -71,8 +90,11 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], whe
 
 
 CONFIGS = [  # (tp, pp, dp, model, bucket_size, pad_buckets_for_high_nccl_busbw)
-    *[(tp, pp, dp, GPT, None, False) for tp, pp, dp in itertools.product([1, 2, 4, 8], [1, 2, 4], [1, 2, 3, 4, 8])
-      if tp * pp * dp <= 16],
+    *[
+        (tp, pp, dp, GPT, None, False)
+        for tp, pp, dp in itertools.product([1, 2, 4, 8], [1, 2, 4], [1, 2, 3, 4, 8])
+        if tp * pp * dp <= 16
+    ],
     (1, 1, 4, GPT, 6000, False),  # several buckets, cut where Megatron cuts them
     (2, 2, 2, GPT, 3000, False),  # buckets on the first stage only
     (1, 1, 2, GPT, 1, False),  # a bucket per parameter
@@ -86,8 +108,9 @@ CONFIGS = [  # (tp, pp, dp, model, bucket_size, pad_buckets_for_high_nccl_busbw)
 
 
 @pytest.mark.parametrize("tp,pp,dp,c,bucket_size,high", CONFIGS)
-def test_every_rank_holds_what_megatron_holds(tp: int, pp: int, dp: int, c: ref.GPT, bucket_size: int | None,
-                                              high: bool) -> None:
+def test_every_rank_holds_what_megatron_holds(
+    tp: int, pp: int, dp: int, c: ref.GPT, bucket_size: int | None, high: bool
+) -> None:
     mesh = Mesh.of(pp=pp, dp=dp, tp=tp)
     layout = builtin(c, mesh, bucket_size, high)
     logical = logical_state(c)
@@ -104,7 +127,9 @@ def test_the_buckets_are_megatrons() -> None:
     # 10 at [384, 394), the last bucket's end padded to 768
     assert index == [(384, 394), (64, 164), (0, 30)]
     assert buckets == [(0, 384), (384, 768)]
-    layout = builtin(ref.GPT(1, 2, 2, 8, 8, 16, make_vocab_size_divisible_by=8), Mesh.of(pp=1, dp=3, tp=1), 120)
+    layout = builtin(
+        ref.GPT(1, 2, 2, 8, 8, 16, make_vocab_size_divisible_by=8), Mesh.of(pp=1, dp=3, tp=1), 120
+    )
     members = [[m for m, _ in f.members] for f in layout.flats]  # the output layer (128) fills a bucket
     assert members[0] == ["output_layer.weight"] and members[1][0] == "decoder.final_layernorm.weight"
     assert {f.pad for f in layout.flats} == {(128,)} and layout.flats[0].length(128, Mesh.of(dp=3)) == 384
@@ -167,13 +192,16 @@ def test_bucket_sizes_that_do_not_fit_are_refused() -> None:
             builtin(GPT, mesh, bad)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("mesh,c,why", [
-    (Mesh.of(pp=1, dp=1, tp=3), GPT, "tp=3 does not divide the 8 attention heads"),
-    (Mesh.of(pp=1, dp=1, tp=8), ref.GPT(4, 8, 4, 48, 72, 1001), None),  # allowed: 8 is a multiple of 4
-    (Mesh.of(pp=1, dp=1, tp=8), ref.GPT(4, 8, 2, 40, 72, 1001), "does not divide linear_qkv's 60 rows"),
-    (Mesh.of(pp=1, dp=1, tp=4), ref.GPT(4, 8, 2, 48, 70, 1001), "tp=4 does not divide ffn_hidden 70"),
-    (Mesh.of(pp=3, dp=1, tp=1), GPT, "pp=3 does not divide the 4 layers"),
-])
+@pytest.mark.parametrize(
+    "mesh,c,why",
+    [
+        (Mesh.of(pp=1, dp=1, tp=3), GPT, "tp=3 does not divide the 8 attention heads"),
+        (Mesh.of(pp=1, dp=1, tp=8), ref.GPT(4, 8, 4, 48, 72, 1001), None),  # allowed: 8 is a multiple of 4
+        (Mesh.of(pp=1, dp=1, tp=8), ref.GPT(4, 8, 2, 40, 72, 1001), "does not divide linear_qkv's 60 rows"),
+        (Mesh.of(pp=1, dp=1, tp=4), ref.GPT(4, 8, 2, 48, 70, 1001), "tp=4 does not divide ffn_hidden 70"),
+        (Mesh.of(pp=3, dp=1, tp=1), GPT, "pp=3 does not divide the 4 layers"),
+    ],
+)
 def test_configurations_megatron_refuses_are_refused(mesh: Mesh, c: ref.GPT, why: str | None) -> None:
     if why is None:
         builtin(c, mesh)
@@ -187,12 +215,21 @@ def test_the_spec_example_of_a_padded_bucket() -> None:
     from ucl.layout import parse_layout
     from ucl.layout.resolve import Resolver
 
-    layout = parse_layout('ucl-layout 3\nflat "optim/flat/bucket0/{state}" -> "optim/state/{member}/{state}" '
-                          'over dp align 64 pad 128: [\n  "n" [6],\n  "w" [4, 25],\n]\n')
+    layout = parse_layout(
+        'ucl-layout 3\nflat "optim/flat/bucket0/{state}" -> "optim/state/{member}/{state}" '
+        'over dp align 64 pad 128: [\n  "n" [6],\n  "w" [4, 25],\n]\n'
+    )
     geom = Resolver(layout, Mesh.of(dp=3)).flat_geom(0, "exp_avg", {"dp": 1})
     assert [m.offset for m in geom.members] == [0, 64] and (geom.total, geom.partition) == (164, 128)
-    logical = {"optim/state/n/exp_avg": torch.arange(6.0) + 1, "optim/state/w/exp_avg": torch.arange(100.0).reshape(4, 25) + 10}
-    ranks = [shard_local_state(logical, layout, Mesh.of(dp=3), r)["optim/flat/bucket0/exp_avg"] for r in range(3)]
+    logical = {
+        "optim/state/n/exp_avg": torch.arange(6.0) + 1,
+        "optim/state/w/exp_avg": torch.arange(100.0).reshape(4, 25) + 10,
+    }
+    ranks = [
+        shard_local_state(logical, layout, Mesh.of(dp=3), r)["optim/flat/bucket0/exp_avg"] for r in range(3)
+    ]
     assert torch.equal(ranks[0][:6], logical["optim/state/n/exp_avg"]) and not ranks[0][6:64].any()
-    assert torch.equal(torch.cat([ranks[0][64:], ranks[1][:36]]), logical["optim/state/w/exp_avg"].reshape(-1))
+    assert torch.equal(
+        torch.cat([ranks[0][64:], ranks[1][:36]]), logical["optim/state/w/exp_avg"].reshape(-1)
+    )
     assert not ranks[1][36:].any() and not ranks[2].any()

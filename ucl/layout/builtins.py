@@ -12,11 +12,26 @@ from typing import Any
 
 from ucl.errors import InvalidLayoutError
 from ucl.layout.mesh import Mesh
-from ucl.layout.model import Flat, Fused, Grouped, Layout, Pad, Part, Placement, Renumber, Replicate, Rule, Shard, Size
+from ucl.layout.model import (
+    Flat,
+    Fused,
+    Grouped,
+    Layout,
+    Pad,
+    Part,
+    Placement,
+    Renumber,
+    Replicate,
+    Rule,
+    Shard,
+    Size,
+)
 
 BUILTINS: dict[str, str] = {
     "megatron-gpt": "ucl.layout.builtins:megatron_gpt",
     "zero": "ucl.layout.builtins:zero_flat",
+    "deepspeed-zero": "ucl.layout.builtins:deepspeed_zero",
+    "fsdp1": "ucl.layout.builtins:fsdp1_flat",
     "dtensor": "ucl.layout.dtensor:layout_from_dtensors",
 }
 
@@ -186,7 +201,9 @@ def megatron_gpt(
       builds each bucket's ``local_shards`` before gathering them.
     """
     if bucket_size is not None and (type(bucket_size) is not int or bucket_size < 1):
-        raise InvalidLayoutError(f"bucket_size must be a positive number of elements or None, got {bucket_size!r}")
+        raise InvalidLayoutError(
+            f"bucket_size must be a positive number of elements or None, got {bucket_size!r}"
+        )
     kv = num_kv_heads or num_heads
     hd = head_dim or hidden // num_heads
     if qkv not in ("megatron", "concat", "interleaved"):
@@ -235,7 +252,8 @@ def megatron_gpt(
     _megatron_allows(zero, num_layers=num_layers, num_heads=num_heads, num_kv_heads=kv, head_dim=hd,
                      ffn_hidden=ffn_hidden, pp_bounds=pp_bounds)
     return _distributed_optimizer(
-        layout, renumber, zero, tuple(zero_axes), bucket_size, 65536 if pad_buckets_for_high_nccl_busbw else 128,
+        layout, renumber, zero, tuple(zero_axes), bucket_size,
+        65536 if pad_buckets_for_high_nccl_busbw else 128,
         dict(num_layers=num_layers, num_heads=num_heads, hidden=hidden, ffn_hidden=ffn_hidden,
              vocab_size=vocab_size, num_kv_heads=kv, head_dim=hd, swiglu=swiglu, bias=bias, tied=tied),
     )
@@ -244,7 +262,8 @@ def megatron_gpt(
 def _megatron_allows(mesh: Mesh, *, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
                      ffn_hidden: int, pp_bounds: Sequence[int] | None) -> None:
     """Refuse the parallel sizes Megatron-core refuses (its ``divide`` asserts; Megatron-LM d98e8a6
-    transformer/attention.py, tensor_parallel/layers.py, transformer/transformer_block.py), naming the rule."""
+    transformer/attention.py, tensor_parallel/layers.py, transformer/transformer_block.py), naming the
+    rule."""
     tp = mesh.axis_size("tp") if "tp" in mesh.names else 1
     pp = mesh.axis_size("pp") if "pp" in mesh.names else 1
     qkv = (num_heads + 2 * num_kv_heads) * head_dim
@@ -301,10 +320,99 @@ def zero_flat(
     axes: Sequence[str] = ("dp",),
     align: int = 1,
     on: Placement = (),
+    pad: Sequence[int | str] = (),
 ) -> Layout:
     """A ZeRO-1/2 (or FSDP1) style flat optimizer partition: the parameters' states, flattened in the
     order given (each start aligned to ``align`` elements), concatenated into one buffer per state and
-    split over ``axes``. Merge it with the parameters' layout: ``model_layout.merged(zero_flat(...))``."""
+    split over ``axes`` (the buffer's length a multiple of ``lcm(ranks, pad)`` when ``pad`` is given,
+    spec/layout.md §7.6). Merge it with the parameters' layout: ``model_layout.merged(zero_flat(...))``."""
     return Layout(
-        flats=(Flat(buffer, logical, tuple(axes), tuple((n, tuple(s)) for n, s in params), align, on),)
+        flats=(Flat(buffer, logical, tuple(axes), tuple((n, tuple(s)) for n, s in params), align, on,
+                    tuple(pad)),)
     )
+
+
+def deepspeed_zero(
+    groups: Sequence[Sequence[tuple[str, Sequence[int]]]],
+    *,
+    stage: int = 2,
+    axes: Sequence[str] = ("dp",),
+    buffer: str = "optim/flat/group{group}/{state}",
+    logical: str = "optim/state/{member}/{state}",
+) -> Layout:
+    """DeepSpeed ZeRO's partitioned optimizer state, exactly, for the optimizer's parameter ``groups``
+    (each a list of (name, shape) of its trainable parameters, in the group's order).
+
+    - ``stage`` 1 or 2 (deepspeed/runtime/zero/stage_1_and_2.py, DeepSpeedZeroOptimizer.__init__, at
+      DeepSpeed edaa722): a group's parameters are flattened in order with no gap, the whole padded with
+      zeros to a multiple of ``2 * dp`` (``nccl_start_alignment_factor * dp``; runtime/utils.py
+      ``align_dense_tensors``) and cut into ``dp`` equal partitions (``get_data_parallel_partitions``).
+      The rank's ``single_partition_of_fp32_groups[g]`` and its optimizer's states over it (``exp_avg``,
+      ...) are the 1-D local tensors ``buffer`` with ``{group} = g``: ``pad 2*dp`` (§7.6).
+    - ``stage`` 3 (runtime/zero/partition_parameters.py, ``_partition_param``): each parameter is padded
+      to a multiple of ``dp`` and cut into ``dp`` equal pieces; the rank's partitioned fp32 group is the
+      concatenation of its pieces, so each piece is its own 1-D local tensor: ``buffer`` with ``{group}``
+      the group and the parameter's name, e.g. ``optim/flat/group0/decoder.fc.weight/exp_avg`` (views of
+      ``fp32_partitioned_groups_flat[g]`` at the pieces' offsets).
+
+    ``round_robin_gradients`` (off by default) reorders a stage 1/2 group by the data-parallel size; list
+    the group in that order. Merge it with the parameters' layout (their tensor-parallel rules still apply
+    per rank): ``model_layout.merged(deepspeed_zero(...))``.
+    """
+    if stage not in (1, 2, 3):
+        raise InvalidLayoutError(f"deepspeed_zero: stage must be 1, 2 or 3, got {stage!r}")
+    if "{group}" not in buffer:
+        raise InvalidLayoutError(f"deepspeed_zero: buffer {buffer!r} must name {{group}}")
+    flats = []
+    for g, params in enumerate(groups):
+        members = tuple((n, tuple(s)) for n, s in params)
+        if not members:
+            continue  # DeepSpeed keeps no partition of a group without trainable parameters
+        if stage < 3:
+            flats.append(Flat(buffer.replace("{group}", str(g)), logical, tuple(axes), members, 1, (),
+                              (2, *axes)))
+        else:
+            flats += [Flat(buffer.replace("{group}", f"{g}/{n}"), logical, tuple(axes), (m,), 1)
+                      for m in members for n in [m[0]]]
+    if not flats:
+        raise InvalidLayoutError("deepspeed_zero: no group has a parameter")
+    return Layout(flats=tuple(flats))
+
+
+def fsdp1_flat(
+    units: Sequence[tuple[str, Sequence[tuple[str, Sequence[int]]]]],
+    *,
+    use_orig_params: bool = False,
+    itemsize: int = 4,
+    axes: Sequence[str] = ("fsdp",),
+    params: str = "model/{member}",
+    states: str | None = "optim/state/{member}/{state}",
+) -> Layout:
+    """PyTorch FSDP1's flat parameters, exactly: for each FSDP unit ``(module path, [(parameter name
+    relative to it, shape), ...])`` (the parameters the unit manages, in the order it flattens them:
+    ``module.named_parameters()`` less those of nested units), the unit's FlatParameter shard is the
+    local tensor ``model/<path>._flat_param`` (``model/_flat_param`` for the root), the logical tensors
+    its members ``params`` with ``{member}`` the full parameter name; with ``states``, the optimizer's
+    states of that flat shard are ``optim/flat/<path>._flat_param/<state>``.
+
+    torch/distributed/fsdp/_flat_param.py (torch 2.13), ``FlatParamHandle._init_flat_param_and_metadata``
+    and ``_get_shard``: members concatenated in order; with ``use_orig_params`` (``align_addresses``) each
+    start padded to 16 bytes (``_get_aligned_numel``: ``16 // itemsize`` elements of the unsharded dtype)
+    and the total to a multiple of the world size; the flat tensor is ``torch.chunk``-ed over the ranks,
+    each shard padded with zeros to the first chunk's size: ``ceil(total / ranks)`` elements.
+    """
+    if itemsize not in (1, 2, 4, 8):
+        raise InvalidLayoutError(f"fsdp1_flat: itemsize must be 1, 2, 4 or 8 bytes, got {itemsize!r}")
+    align, pad = (16 // itemsize, (1,)) if use_orig_params else (1, ())
+    flats = []
+    for path, members in units:
+        if not members:
+            continue  # FSDP makes no FlatParameter of a unit without parameters
+        full = tuple((f"{path}.{n}" if path else n, tuple(shape)) for n, shape in members)
+        flat = f"{path}._flat_param" if path else "_flat_param"
+        flats.append(Flat(f"model/{flat}", params, tuple(axes), full, align, (), pad))
+        if states is not None:
+            flats.append(Flat(f"optim/flat/{flat}/{{state}}", states, tuple(axes), full, align, (), pad))
+    if not flats:
+        raise InvalidLayoutError("fsdp1_flat: no unit has a parameter")
+    return Layout(flats=tuple(flats))
