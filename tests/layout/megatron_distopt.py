@@ -12,8 +12,12 @@ Model tensors of tensor-parallel rank ``r`` of ``tp``:
 - ``linear_qkv`` per query group ``[its query heads; k; v]``, split in rows (tests/layout/megatron_qkv.py).
 - megatron/core/transformer/mlp.py ``apply_swiglu_sharded_factory``: with a gated linear unit each rank's
   ``linear_fc1`` is ``[gate_r; up_r]``, the r-th 1/tp of each.
-- megatron/core/transformer/transformer_block.py: stage ``s`` of ``pp`` holds layers
-  ``[s L/pp, (s+1) L/pp)``, numbered from 0 locally.
+- megatron/core/transformer/transformer_block.py ``get_num_layers_to_build``: stage ``s`` of ``pp`` holds
+  ``L/pp`` layers, or with ``num_layers_in_first/last_pipeline_stage`` those on the first and last stage
+  and the rest split evenly; numbered from 0 locally.
+- Transformer Engine's layer spec fuses the input and pre-MLP norms into ``linear_qkv`` and ``linear_fc1``
+  (``layer_norm_weight``, registered before the linear's weight: TransformerEngine d0067d0,
+  transformer_engine/pytorch/module/layernorm_linear.py ``LayerNormLinear.__init__``).
 
 Registration order (``named_parameters``, which DistributedDataParallel walks): gpt_model.py builds the
 embedding, the decoder (per layer: transformer_layer.py input norm, attention.py ``linear_proj`` in
@@ -59,6 +63,9 @@ class GPT:
     make_vocab_size_divisible_by: int = 128
     bias: bool = False
     tied: bool = False
+    te: bool = False  # Transformer Engine's layer spec: the norms fused into linear_qkv and linear_fc1
+    first_stage_layers: int | None = None  # num_layers_in_first_pipeline_stage
+    last_stage_layers: int | None = None  # num_layers_in_last_pipeline_stage
 
     @property
     def head_dim(self) -> int:
@@ -73,10 +80,13 @@ def logical_names(c: GPT) -> list[tuple[str, tuple[int, ...]]]:
     for i in range(c.num_layers):
         p = f"decoder.layers.{i}."
         out += [
-            (p + "input_layernorm.weight", (c.hidden,)),
+            (
+                p + ("self_attention.linear_qkv.layer_norm_weight" if c.te else "input_layernorm.weight"),
+                (c.hidden,),
+            ),
             (p + "self_attention.linear_proj.weight", (c.hidden, c.num_heads * hd)),
             (p + "self_attention.linear_qkv.weight", (qkv, c.hidden)),
-            (p + "pre_mlp_layernorm.weight", (c.hidden,)),
+            (p + ("mlp.linear_fc1.layer_norm_weight" if c.te else "pre_mlp_layernorm.weight"), (c.hidden,)),
             (p + "mlp.linear_fc1.weight", (2 * c.ffn_hidden, c.hidden)),
             (p + "mlp.linear_fc2.weight", (c.hidden, c.ffn_hidden)),
         ]
@@ -103,6 +113,8 @@ def _vocab_rows(c: GPT, t: torch.Tensor, tp: int, r: int) -> torch.Tensor:
 
 def tp_local(c: GPT, name: str, t: torch.Tensor, tp: int, r: int) -> torch.Tensor:
     """What tensor-parallel rank ``r`` holds of logical tensor ``name`` (a parameter or a state of it)."""
+    if name.endswith("layer_norm_weight"):  # TE's fused norm: replicated, as every norm
+        return t.clone()
     if name.endswith("word_embeddings.weight") or name == "output_layer.weight":
         return _vocab_rows(c, t, tp, r)
     if "linear_qkv" in name:
@@ -118,27 +130,44 @@ def tp_local(c: GPT, name: str, t: torch.Tensor, tp: int, r: int) -> torch.Tenso
     return t.clone()  # norms, row-parallel biases
 
 
+def stage_layers(c: GPT, pp: int) -> list[int]:
+    """The first global layer of each stage, and the end: transformer_block.py ``get_num_layers_to_build``
+    (uniform, or ``num_layers_in_first/last_pipeline_stage`` with the rest split evenly)."""
+    left, stages = c.num_layers, pp
+    for n in (c.first_stage_layers, c.last_stage_layers):
+        if n is not None:
+            left, stages = left - n, stages - 1
+    per = left // stages if stages else 0
+    counts = [per] * pp
+    if c.first_stage_layers is not None:
+        counts[0] = c.first_stage_layers
+    if c.last_stage_layers is not None:
+        counts[-1] = c.last_stage_layers
+    return [sum(counts[:s]) for s in range(pp + 1)]
+
+
 def stage_params(c: GPT, pp: int, s: int) -> list[tuple[str, str]]:
     """(Megatron's local name, logical name) of stage ``s``'s parameters, in registration order."""
-    per = c.num_layers // pp
+    bounds = stage_layers(c, pp)
     out = []
     if s == 0:
         out.append(("embedding.word_embeddings.weight", "embedding.word_embeddings.weight"))
-    for j in range(per):
-        lp, gp = f"decoder.layers.{j}.", f"decoder.layers.{s * per + j}."
-        for suffix in [
-            "input_layernorm.weight",
-            "self_attention.linear_proj.weight",
-            *(["self_attention.linear_proj.bias"] if c.bias else []),
-            "self_attention.linear_qkv.weight",
-            *(["self_attention.linear_qkv.bias"] if c.bias else []),
-            "pre_mlp_layernorm.weight",
-            "mlp.linear_fc1.weight",
-            *(["mlp.linear_fc1.bias"] if c.bias else []),
-            "mlp.linear_fc2.weight",
-            *(["mlp.linear_fc2.bias"] if c.bias else []),
-        ]:
-            out.append((lp + suffix, gp + suffix))
+    layer = [
+        *([] if c.te else ["input_layernorm.weight"]),
+        "self_attention.linear_proj.weight",
+        *(["self_attention.linear_proj.bias"] if c.bias else []),
+        *(["self_attention.linear_qkv.layer_norm_weight"] if c.te else []),
+        "self_attention.linear_qkv.weight",
+        *(["self_attention.linear_qkv.bias"] if c.bias else []),
+        "mlp.linear_fc1.layer_norm_weight" if c.te else "pre_mlp_layernorm.weight",
+        "mlp.linear_fc1.weight",
+        *(["mlp.linear_fc1.bias"] if c.bias else []),
+        "mlp.linear_fc2.weight",
+        *(["mlp.linear_fc2.bias"] if c.bias else []),
+    ]
+    for j in range(bounds[s + 1] - bounds[s]):
+        lp, gp = f"decoder.layers.{j}.", f"decoder.layers.{bounds[s] + j}."
+        out += [(lp + suffix, gp + suffix) for suffix in layer]
     if s == pp - 1:
         out.append(("decoder.final_layernorm.weight", "decoder.final_layernorm.weight"))
         if not c.tied:

@@ -108,43 +108,49 @@ def zero_layout(stage: int) -> Layout:
     return deepspeed_zero(gpt_groups(), stage=stage)
 
 
-def save_zero2(rank: int, world: int, path: str) -> dict[str, Any]:
-    """Rank ``rank`` of a dp=4 DeepSpeed ZeRO-2 job: the whole model (replicated) and its partitions."""
+def save_zero(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Rank ``rank`` of a dp=4 DeepSpeed job under ZeRO-2 and under ZeRO-3 (one step each): the whole
+    model (replicated) and its optimizer partitions."""
     from ucl.write.manager import CheckpointManager
 
     logical = logical_state(GPT)
-    local = {n: t for n, t in logical.items() if n.startswith("model/")}
-    local.update(reference(gpt_groups(), logical, 2, world, rank))
-    with CheckpointManager(path, layout=zero_layout(2), mesh=Mesh.of(dp=world)) as mgr:
-        mgr.save(1, local).result()
+    for stage in (2, 3):
+        local = {n: t for n, t in logical.items() if n.startswith("model/")}
+        local.update(reference(gpt_groups(), logical, stage, world, rank))
+        with CheckpointManager(
+            Path(root) / f"zero{stage}", layout=zero_layout(stage), mesh=Mesh.of(dp=world)
+        ) as mgr:
+            mgr.save(1, local).result()
     return {"rank": rank}
 
 
 @pytest.fixture(scope="module")
-def zero2_step(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("deepspeed-zero2")
-    dist.run(4, "tests.layout.test_deepspeed_zero:save_zero2", {"path": str(path)})
-    assert ucl.validate(path).ok
-    return path
+def zero_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("deepspeed-zero")
+    dist.run(4, "tests.layout.test_deepspeed_zero:save_zero", {"root": str(root)})
+    return root
 
 
 @pytest.mark.dist
-def test_a_zero2_step_loads_under_other_dp_sizes_zero3_and_megatron(zero2_step: Path) -> None:
+@pytest.mark.parametrize("source", [2, 3])
+def test_a_zero_step_loads_under_other_dp_sizes_stages_and_megatron(zero_steps: Path, source: int) -> None:
+    path = zero_steps / f"zero{source}"
+    assert ucl.validate(path).ok
     logical = logical_state(GPT)
-    assert_same(ucl.load(zero2_step, flat=True), logical, "the logical view")
+    assert_same(ucl.load(path, flat=True), logical, "the logical view")
     model = {n: t for n, t in logical.items() if n.startswith("model/")}
     for stage, dp in [(2, 1), (2, 3), (1, 8), (3, 2), (3, 5)]:
         mesh = Mesh.of(dp=dp)
         for rank in sorted({0, dp - 1}):
-            got = ucl.load(zero2_step, layout=zero_layout(stage), mesh=mesh, rank=rank, flat=True)
+            got = ucl.load(path, layout=zero_layout(stage), mesh=mesh, rank=rank, flat=True)
             assert_same(
                 got,
                 {**model, **reference(gpt_groups(), logical, stage, dp, rank)},
-                f"ZeRO-{stage} dp {dp} rank {rank}",
+                f"ZeRO-{source} -> ZeRO-{stage} dp {dp} rank {rank}",
             )
     c = mref.GPT(**{**GPT.__dict__})
     for tp, pp, dp in [(2, 2, 2), (1, 1, 4)]:  # Megatron-core's distributed optimizer, another framework
         mesh = Mesh.of(pp=pp, dp=dp, tp=tp)
         for rank in sorted({0, mesh.size - 1}):
-            got = ucl.load(zero2_step, layout=builtin(c, mesh), mesh=mesh, rank=rank, flat=True)
+            got = ucl.load(path, layout=builtin(c, mesh), mesh=mesh, rank=rank, flat=True)
             assert_same(got, reference_local(c, logical, tp, pp, dp, rank), f"Megatron tp{tp} pp{pp} dp{dp}")

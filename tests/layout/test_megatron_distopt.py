@@ -38,6 +38,10 @@ def logical_state(c: ref.GPT, dtype: torch.dtype = torch.float32, seed: int = 0)
     return out
 
 
+def mref_bounds(c: ref.GPT, mesh: Mesh) -> list[int]:
+    return ref.stage_layers(c, mesh.axis_size("pp"))
+
+
 def builtin(c: ref.GPT, mesh: Mesh, bucket_size: int | None = None, high_busbw: bool = False) -> Any:
     return megatron_gpt(
         num_layers=c.num_layers,
@@ -49,6 +53,11 @@ def builtin(c: ref.GPT, mesh: Mesh, bucket_size: int | None = None, high_busbw: 
         vocab_multiple=c.make_vocab_size_divisible_by,
         bias=c.bias,
         tied=c.tied,
+        te=c.te,
+        # Megatron's num_layers_in_first/last_pipeline_stage, as the stage bounds ucl takes
+        pp_bounds=None
+        if c.first_stage_layers is None and c.last_stage_layers is None
+        else mref_bounds(c, mesh),
         zero=mesh,
         bucket_size=bucket_size,
         pad_buckets_for_high_nccl_busbw=high_busbw,
@@ -104,6 +113,9 @@ CONFIGS = [  # (tp, pp, dp, model, bucket_size, pad_buckets_for_high_nccl_busbw)
     (1, 1, 2, ref.GPT(4, 8, 2, 48, 72, 1001, tied=True), 4000, False),  # tied on one stage: not shared
     (4, 2, 2, ref.GPT(4, 8, 2, 48, 72, 1001, bias=True), 5000, False),
     (8, 1, 2, ref.GPT(2, 8, 8, 48, 72, 50257, make_vocab_size_divisible_by=64), None, False),
+    (2, 2, 2, ref.GPT(4, 8, 2, 48, 72, 1001, te=True), 3000, False),  # Transformer Engine's norm names
+    (1, 3, 2, ref.GPT(5, 8, 2, 48, 72, 1001, first_stage_layers=1, last_stage_layers=2), None, False),
+    (2, 4, 1, ref.GPT(6, 8, 2, 48, 72, 1001, tied=True, te=True, last_stage_layers=0), 2000, False),
 ]
 
 

@@ -65,6 +65,7 @@ def megatron_gpt_params(
     swiglu: bool = True,
     bias: bool = False,
     tied: bool = False,
+    te: bool = False,
     padded_vocab: int | None = None,
     layers: Sequence[int] | None = None,
     first: bool = True,
@@ -82,7 +83,9 @@ def megatron_gpt_params(
     ``self_attention``, pre-MLP norm, ``mlp`` (transformer/transformer_layer.py); ``Attention.__init__``
     builds ``linear_proj`` before ``SelfAttention.__init__`` builds ``linear_qkv``
     (transformer/attention.py); MLP ``linear_fc1`` then ``linear_fc2`` (transformer/mlp.py); a linear
-    layer its weight, then its bias.
+    layer its weight, then its bias. With ``te`` (Transformer Engine's layer spec) the two layer norms are
+    fused into ``linear_qkv`` and ``linear_fc1`` as their ``layer_norm_weight``, which TE's LayerNormLinear
+    registers before its weight (TransformerEngine d0067d0, pytorch/module/layernorm_linear.py).
     """
     kv = num_kv_heads or num_heads
     hd = head_dim or hidden // num_heads
@@ -93,14 +96,18 @@ def megatron_gpt_params(
         out.append(embedding)
     for i in range(num_layers) if layers is None else layers:
         p = f"decoder.layers.{i}."
-        out.append((p + "input_layernorm.weight", (hidden,)))
+        if not te:
+            out.append((p + "input_layernorm.weight", (hidden,)))
         out.append((p + "self_attention.linear_proj.weight", (hidden, num_heads * hd)))
         if bias:
             out.append((p + "self_attention.linear_proj.bias", (hidden,)))
+        if te:
+            out.append((p + "self_attention.linear_qkv.layer_norm_weight", (hidden,)))
         out.append((p + "self_attention.linear_qkv.weight", ((num_heads + 2 * kv) * hd, hidden)))
         if bias:
             out.append((p + "self_attention.linear_qkv.bias", ((num_heads + 2 * kv) * hd,)))
-        out.append((p + "pre_mlp_layernorm.weight", (hidden,)))
+        mlp_norm = "mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight"
+        out.append((p + mlp_norm, (hidden,)))
         out.append((p + "mlp.linear_fc1.weight", ((2 if swiglu else 1) * ffn_hidden, hidden)))
         if bias:
             out.append((p + "mlp.linear_fc1.bias", ((2 if swiglu else 1) * ffn_hidden,)))
@@ -167,6 +174,7 @@ def megatron_gpt(
     swiglu: bool = True,
     bias: bool = False,
     tied: bool = False,
+    te: bool = False,
     qkv: str = "megatron",
     pp_bounds: Sequence[int] | None = None,
     zero: Mesh | None = None,
@@ -187,6 +195,8 @@ def megatron_gpt(
     - ``linear_fc1`` with SwiGLU holds ``[gate/tp; up/tp]``; column-parallel weights split rows, row-parallel
       ones (``linear_proj``, ``linear_fc2``) split columns.
     - The vocabulary is padded to a multiple of ``vocab_multiple * tp``; padding rows are not stored.
+    - Layer norms by Megatron's local names (``input_layernorm``, ``pre_mlp_layernorm``) or, with ``te``,
+      Transformer Engine's (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``).
     - Layers are renumbered over ``pp`` (evenly by torch.chunk, or by ``pp_bounds``); the embedding lives on
       the first stage (and the last when ``tied``), the final norm and output layer on the last.
     - Optimizer states ``optim/state/<param>/<state>`` follow their parameters. With ``zero`` (the mesh),
@@ -255,7 +265,8 @@ def megatron_gpt(
         layout, renumber, zero, tuple(zero_axes), bucket_size,
         65536 if pad_buckets_for_high_nccl_busbw else 128,
         dict(num_layers=num_layers, num_heads=num_heads, hidden=hidden, ffn_hidden=ffn_hidden,
-             vocab_size=vocab_size, num_kv_heads=kv, head_dim=hd, swiglu=swiglu, bias=bias, tied=tied),
+             vocab_size=vocab_size, num_kv_heads=kv, head_dim=hd, swiglu=swiglu, bias=bias, tied=tied,
+             te=te),
     )
 
 
