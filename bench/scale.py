@@ -53,7 +53,7 @@ def job(layers: int, world: int) -> tuple[Any, Any, dict[str, tuple[tuple[int, .
     from ucl.layout.mesh import Mesh
 
     mesh = Mesh((("pp", 1), ("dp", world // TP), ("tp", TP)))
-    layout = builtins.megatron_gpt(num_layers=layers, **MODEL, qkv="interleaved", zero=mesh)
+    layout = builtins.megatron_gpt(num_layers=layers, **MODEL, zero=mesh)
     logical: dict[str, tuple[tuple[int, ...], str]] = {}
     for n, s in builtins.megatron_gpt_params(num_layers=layers, **MODEL):
         logical[n] = (tuple(s), "bfloat16")
