@@ -61,6 +61,39 @@ def test_adaptive_interval_measures_first_then_follows_costs() -> None:
     assert p.expected_overhead() == pytest.approx(10.0 / p.interval() + p.interval() / 7200.0)
 
 
+def test_a_save_costs_its_blocked_time_and_what_it_slows_the_steps_it_overlaps() -> None:
+    """On a CPU-bound host the background write slows training: the cost is the overlapped steps' excess
+    over the step time without a save in flight (the step that saved includes the blocked staging)."""
+    p = AdaptiveInterval(mtbf=3600.0, alpha=1.0)
+    p.step(0.0, busy=False)
+    assert not p.should_save(0, 0.0)  # no step time yet to measure a save's excess against
+    for t in (1.0, 2.0):
+        p.step(t, busy=False)
+    assert p.step_time == pytest.approx(1.0) and p.cost is None
+    assert p.should_save(2, 2.0)  # now the first save measures a cost
+    p.saved(0.1)  # at t = 2.0, blocking 0.1 s
+    p.step(3.6, busy=True)  # 1.6 s: the staging and the writer's interference
+    p.step(5.1, busy=True)  # 1.5 s
+    assert p.saves == 0  # still in flight
+    p.step(6.1, busy=False)  # the save is done: 0.6 + 0.5 + 0.0
+    assert p.saves == 1 and p.cost == pytest.approx(1.1)
+    assert p.step_time == pytest.approx(1.0)  # busy steps do not count as the loop's own
+    p.saved(0.2)
+    p.step(7.1, busy=False)  # done within one ordinary step: it cost its blocked time
+    assert p.saves == 2 and p.cost == pytest.approx(0.2)
+    p.saved(0.05)
+    p.step(9.1, busy=True)
+    p.saved(0.05)  # a save while the previous one is open closes it with what it cost so far
+    assert p.saves == 3 and p.cost == pytest.approx(1.0)
+    q = AdaptiveInterval(mtbf=3600.0)
+    q.saved(0.3)  # before any step time is known: the blocked time is the cost
+    q.step(1.0, busy=False)
+    q.step(2.0, busy=False)
+    assert q.cost == pytest.approx(0.3) and q.saves == 1
+    with pytest.raises(InvalidArgumentError):
+        q.saved(-1.0)
+
+
 def test_adaptive_interval_bounds_and_initial_cost() -> None:
     p = AdaptiveInterval(mtbf=100.0, initial_cost=0.0, min_interval=5.0, max_interval=50.0)
     assert p.interval() == 5.0  # a free save would checkpoint every step: floored

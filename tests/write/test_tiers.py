@@ -54,6 +54,27 @@ def test_drain_every_retention_and_restore(tmp_path: Path) -> None:
     assert (a.files, a.kind, a.parent) == (b.files, b.kind, b.parent)
 
 
+def test_the_drain_interval_learns_what_a_drain_costs(tmp_path: Path) -> None:
+    """MemoryTier(interval=): the drains' cost is measured at each save (one per step) as the excess of
+    the steps a drain overlapped; without it the interval had no cost and drained every step."""
+    import time
+
+    from ucl.write.policy import AdaptiveInterval
+
+    iv = AdaptiveInterval(mtbf=3600.0)
+    disk, mem = tmp_path / "disk", tmp_path / "mem"
+    with CheckpointManager(disk, keep_last=2, memory=MemoryTier(mem, keep_last=2, interval=iv)) as mgr:
+        for s in range(12):
+            time.sleep(0.02)  # a training step
+            mgr.save(s, _state(s)).result()
+        mgr.wait()
+        drained = mgr.durable.steps() if mgr.durable is not None else []
+    assert iv.step_time is not None and iv.step_time >= 0.02
+    assert iv.saves >= 1 and iv.cost is not None  # a cost was measured ...
+    assert drained and drained[0] >= 1  # ... from the first drain, once a step time was known
+    assert ucl.validate(disk).ok
+
+
 def test_a_training_state_drains(tmp_path: Path) -> None:
     """What a training loop saves drains too: an AdamW state (its 0-d ``step`` tensors: shard ``<key>/c``),
     and a name with a ``c`` segment (shards ``model/c/w/c/0/0``). bench/goodput.py found the drain

@@ -283,6 +283,10 @@ class CheckpointManager:
                 if newest is not None and (durable is None or newest > durable):
                     self._drain.submit(newest, report=False)  # committed before a crash, not drained yet
         drain = self._drain
+        # drains the persister started since the loop's last step (under _drain_guard)
+        self._drains_started = 0
+        self._drain_guard = threading.Lock()
+        self._in_save_if_due = False
         fast = None  # the memory tier's retention: never a step still to drain
         if memory is not None:
             fast = Retention(self.repo, memory.keep_last, None, drain.pending if drain is not None else None)
@@ -417,6 +421,8 @@ class CheckpointManager:
         """
         if self._closed:
             raise InvalidArgumentError("CheckpointManager is closed")
+        if not self._in_save_if_due:
+            self._tick_drains(time.monotonic())
         if optimizer is not None and (self.delta is None or not (self.delta.gradients or self.delta.prune)):
             raise InvalidArgumentError("save(optimizer=...) is for gradient records or composite steps: "
                                        "construct the manager with delta=DeltaPolicy(gradients=True) or "
@@ -484,22 +490,46 @@ class CheckpointManager:
     def save_if_due(self, step: int, state: Mapping[str, Any], now: float | None = None) -> SaveHandle | None:
         """Save when the adaptive interval says so (every rank gets the coordinator's decision).
 
-        Returns the handle, or None when no save is due. The blocking time of each save is fed back
-        to the interval as the checkpoint's cost.
+        Returns the handle, or None when no save is due. Call it once per training step: what each
+        save costs training, its blocked time plus how much longer than usual the steps it overlapped
+        took (:meth:`ucl.write.policy.AdaptiveInterval.step`), is fed back to the interval once the save
+        is done.
         """
         if self.interval is None:
             raise InvalidArgumentError("save_if_due needs CheckpointManager(interval=AdaptiveInterval(...))")
         due = False
+        t = time.monotonic() if now is None else now
+        self._tick_drains(t)
         if self.rank == 0:
-            due = self.interval.should_save(step, time.monotonic() if now is None else now)
+            # the step that just ended: with a save in flight, its excess over the loop's step time is
+            # charged to that save (the writer competes with training for the host)
+            self.interval.step(t, busy=any(not h.done() for h in self._pending))
+            due = self.interval.should_save(step, t)
         if self._ctl.group is not None:
             due = bool(self._ctl.broadcast(due))
         if not due:
             return None
-        handle = self.save(step, state)
-        if not handle.skipped:
-            self.interval.record_save(handle.staged_s)
+        self._in_save_if_due = True
+        try:
+            handle = self.save(step, state)
+        finally:
+            self._in_save_if_due = False
+        if not handle.skipped and self.rank == 0:
+            self.interval.saved(handle.staged_s)
         return handle
+
+    def _tick_drains(self, now: float) -> None:
+        """A step of the loop ended (a save or save_if_due call): the memory tier's Young/Daly interval
+        learns what its drains cost training, as the save interval does (AdaptiveInterval.step); a drain
+        blocks nothing, so its cost is the excess of the steps it overlapped."""
+        tier, drain = self.memory, self._drain
+        if tier is None or tier.interval is None or drain is None:
+            return
+        with self._drain_guard:
+            started, self._drains_started = self._drains_started, 0
+        if started:
+            tier.interval.saved(0.0)
+        tier.interval.step(now, busy=bool(drain.pending()))
 
     def _committed_or_pending(self, step: int) -> set[int]:
         out = {h.step for h in self._pending if not h.done()}
@@ -539,6 +569,8 @@ class CheckpointManager:
                 tier = self.memory
                 if self._drain is not None and tier is not None and tier.due(job.step, time.monotonic()):
                     self._drain.submit(job.step)
+                    with self._drain_guard:
+                        self._drains_started += 1
                 keep = self._kinds.advance(job)
                 self._events.committed(job.step, record, job.kind)
                 job.future.set_result(record)

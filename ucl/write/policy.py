@@ -16,7 +16,11 @@ Call sequence (the training loop, or ``CheckpointManager`` on its behalf, on the
             interval.record_save(time.monotonic() - t0)     # 3. tell what it cost
 
 The cost to record is what the save takes away from training: for an asynchronous save, the time the
-training loop was blocked (staging), not the time the background write took.
+training loop was blocked (staging), not the time the background write took, *plus* what the background
+write slows the loop down while it runs (on a CPU-bound host the writer's checksums and copies compete
+with training for the cores). :meth:`AdaptiveInterval.step` measures that for a loop that reports every
+step: it keeps the step time of steps with no save in flight and charges each save the excess of the
+steps it overlapped, its blocked staging included (``CheckpointManager.save_if_due`` does this).
 
 Nothing here reads a clock: times are passed in, so the policies are deterministic and testable.
 """
@@ -148,6 +152,11 @@ class AdaptiveInterval:
         self._last_time: float | None = None
         self._last_step: int | None = None
         self._start: float | None = None
+        # step(): the loop's step time without a save in flight, and the excess the open save caused
+        self.step_time: float | None = None
+        self._tick: float | None = None
+        self._open: float | None = None  # the blocked time of the save in flight, or None
+        self._excess = 0.0
 
     def interval(self) -> float:
         """The current interval in seconds (``min_interval`` while no cost is known)."""
@@ -159,16 +168,22 @@ class AdaptiveInterval:
     def should_save(self, step: int, now: float) -> bool:
         """Whether to checkpoint ``step`` now (``now``: a monotonic clock in seconds).
 
-        True at the first call when no cost is known (to measure one), then whenever at least
-        ``interval()`` seconds passed since the last save was decided. A True answer starts the next
-        interval; never True twice for the same step.
+        True at the first call when no cost is known (to measure one; with :meth:`step` reporting, at
+        the first call once a step time is known), then whenever at least ``interval()`` seconds passed
+        since the last save was decided. A True answer starts the next interval; never True twice for
+        the same step.
         """
         if self._start is None:
             self._start = now
         if self._last_step is not None and step <= self._last_step:
             return False
         since = now - (self._last_time if self._last_time is not None else self._start)
-        due = (self.cost is None and self._last_time is None) or since >= self.interval()
+        if self.cost is None and self._last_time is None:
+            # save to measure a cost; with step() reporting, once the loop's step time is known, so
+            # that the save's excess over it can be measured
+            due = self._tick is None or self.step_time is not None
+        else:
+            due = since >= self.interval()
         if due:
             self._last_time, self._last_step = now, step
         return due
@@ -178,6 +193,36 @@ class AdaptiveInterval:
         c = _positive(cost_seconds, "cost_seconds", allow_zero=True)
         self.cost = c if self.cost is None else self.alpha * c + (1.0 - self.alpha) * self.cost
         self.saves += 1
+
+    def step(self, now: float, busy: bool) -> None:
+        """Report that the loop reached its next step at ``now``; ``busy``: a save's background write was
+        still running during the step that just ended. Updates :attr:`step_time` from steps without a
+        save in flight, accumulates the open save's excess, and records the save's cost (its blocked
+        time and the excess of every step it overlapped) once it is done."""
+        if self._tick is not None:
+            dt = now - self._tick
+            if self._open is not None:
+                if self.step_time is not None:
+                    self._excess += max(0.0, dt - self.step_time)
+            elif not busy:
+                old = self.step_time
+                self.step_time = dt if old is None else self.alpha * dt + (1 - self.alpha) * old
+        self._tick = now
+        if self._open is not None and not busy:
+            self._close()
+
+    def saved(self, blocked: float) -> None:
+        """A save was just taken, blocking the loop ``blocked`` seconds; with :meth:`step` its cost is
+        recorded when it is done (a save still open is closed first, with what it cost so far)."""
+        if self._open is not None:
+            self._close()
+        self._open, self._excess = _positive(blocked, "blocked", allow_zero=True), 0.0
+
+    def _close(self) -> None:
+        blocked, self._open = self._open or 0.0, None
+        # without a step time yet the excess is unknown: the blocked time is the best there is; the
+        # blocked time is inside the excess otherwise (the step that saved took it longer)
+        self.record_save(blocked if self.step_time is None else max(blocked, self._excess))
 
     def expected_overhead(self) -> float:
         """Expected fraction of time lost to checkpoints and re-done work at the current interval

@@ -49,7 +49,9 @@ class MemoryTier:
         Drain every step divisible by ``drain_every`` to the durable repository (1: every step).
     interval
         Instead of ``drain_every``: drain when the Young/Daly interval of this
-        :class:`~ucl.write.policy.AdaptiveInterval` has passed since the last drained step.
+        :class:`~ucl.write.policy.AdaptiveInterval` has passed since the last drained step. The
+        manager measures a drain's cost at each ``save``/``save_if_due`` call (one per training step):
+        how much longer than usual the steps it overlapped took (AdaptiveInterval.step).
     """
 
     path: Any
