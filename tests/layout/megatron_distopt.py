@@ -225,7 +225,6 @@ def rank_state(
     dp: int,
     rank: int,
     bucket_size: int | None = None,
-    distributed_optimizer: bool = True,
     high_busbw: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
     """What global rank ``rank`` of a (pp, dp, tp) job holds (tp fastest, then dp, then pp, as Megatron
@@ -235,8 +234,6 @@ def rank_state(
     r, d, s = rank % tp, rank // tp % dp, rank // (tp * dp)
     params = stage_params(c, pp, s)
     model = {local: tp_local(c, name, logical["model/" + name], tp, r) for local, name in params}
-    if not distributed_optimizer:
-        return model, {}
     numels = [model[local].numel() for local, _ in params]
     shared = [c.tied and pp > 1 and name == "embedding.word_embeddings.weight" for _, name in params]
     index, buckets = buffer_layout(numels, shared, bucket_size if s == 0 else None, dp, high_busbw)

@@ -383,8 +383,8 @@ def deepspeed_zero(
             flats.append(Flat(buffer.replace("{group}", str(g)), logical, tuple(axes), members, 1, (),
                               (2, *axes)))
         else:
-            flats += [Flat(buffer.replace("{group}", f"{g}/{n}"), logical, tuple(axes), (m,), 1)
-                      for m in members for n in [m[0]]]
+            flats += [Flat(buffer.replace("{group}", f"{g}/{m[0]}"), logical, tuple(axes), (m,))
+                      for m in members]
     if not flats:
         raise InvalidLayoutError("deepspeed_zero: no group has a parameter")
     return Layout(flats=tuple(flats))

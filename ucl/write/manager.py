@@ -286,7 +286,6 @@ class CheckpointManager:
         # drains the persister started since the loop's last step (under _drain_guard)
         self._drains_started = 0
         self._drain_guard = threading.Lock()
-        self._in_save_if_due = False
         fast = None  # the memory tier's retention: never a step still to drain
         if memory is not None:
             fast = Retention(self.repo, memory.keep_last, None, drain.pending if drain is not None else None)
@@ -421,8 +420,10 @@ class CheckpointManager:
         """
         if self._closed:
             raise InvalidArgumentError("CheckpointManager is closed")
-        if not self._in_save_if_due:
-            self._tick_drains(time.monotonic())
+        self._tick_drains(time.monotonic())  # a save call ends a step of the loop
+        return self._save(step, state, optimizer, rank_state)
+
+    def _save(self, step: int, state: Mapping[str, Any], optimizer: Any, rank_state: Any) -> SaveHandle:
         if optimizer is not None and (self.delta is None or not (self.delta.gradients or self.delta.prune)):
             raise InvalidArgumentError("save(optimizer=...) is for gradient records or composite steps: "
                                        "construct the manager with delta=DeltaPolicy(gradients=True) or "
@@ -509,11 +510,9 @@ class CheckpointManager:
             due = bool(self._ctl.broadcast(due))
         if not due:
             return None
-        self._in_save_if_due = True
-        try:
-            handle = self.save(step, state)
-        finally:
-            self._in_save_if_due = False
+        if self._closed:
+            raise InvalidArgumentError("CheckpointManager is closed")
+        handle = self._save(step, state, None, None)  # this step is reported above
         if not handle.skipped and self.rank == 0:
             self.interval.saved(handle.staged_s)
         return handle
