@@ -31,7 +31,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ucl.errors import UCLError
+from ucl.errors import InvalidArgumentError, UCLError
 from ucl.format.lock import WriterLock
 from ucl.format.repository import Repository, commit_key, compaction_journal
 from ucl.io.stores.base import FileInfo
@@ -86,6 +86,10 @@ def gc(path: Any, *, dry_run: bool = False, grace: float = DEFAULT_GRACE_S,
     """
     repo = Repository.open(path, storage_options)
     store = repo.store
+    if store.list_dir("parts"):  # ucl.write.peers: its steps are committed there, not in commits/
+        raise InvalidArgumentError(f"{repo.url} is a node's part of a memory tier spread over nodes (its "
+                                   "commit records are in parts/): gc would remove the steps it holds; its "
+                                   "manager's retention removes them")
     now = time.time() if now is None else now
     report = GCReport(repo.url, dry_run)
     lock = None if dry_run else WriterLock.acquire(repo)

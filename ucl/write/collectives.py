@@ -82,6 +82,25 @@ class Collectives:
             dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), group=self.group, group_dst=0)
         return []
 
+    def collect_from_coordinator(self, obj: Any, receivers: list[int]) -> Any:
+        """The coordinator's ``obj`` on each rank in ``receivers`` (not the coordinator), point to point;
+        the coordinator gets its own ``obj``, every other rank None."""
+        if self.group is None:
+            return obj
+        if self.rank == 0:
+            blob = pickle.dumps(obj)
+            for r in receivers:
+                dist.send(torch.tensor([len(blob)], dtype=torch.int64), group=self.group, group_dst=r)
+                dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), group=self.group, group_dst=r)
+            return obj
+        if self.rank in receivers:
+            size = torch.empty(1, dtype=torch.int64)
+            dist.recv(size, group=self.group, group_src=0)
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+            dist.recv(data, group=self.group, group_src=0)
+            return pickle.loads(data.numpy().tobytes())
+        return None
+
     def allgather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` on every rank, in rank order."""
         if self.group is None:

@@ -50,7 +50,8 @@ from ucl.format.repository import Repository, check_step, commit_key, step_prefi
 from ucl.layout import as_layout, as_mesh
 from ucl.options import DEFAULT_WRITE, WriteOptions
 from ucl.plan import save as saveplan
-from ucl.read.load import load
+from ucl.read.checkpoint import open as open_step
+from ucl.read.load import load, load_plan
 from ucl.write import compaction
 from ucl.write import rank_state as _rank_state
 from ucl.write.collectives import Collectives
@@ -59,6 +60,7 @@ from ucl.write.events import SaveEvents, log
 from ucl.write.handle import SaveHandle
 from ucl.write.job import Job
 from ucl.write.kinds import StepKinds
+from ucl.write.peers import SpreadTier, is_document, needed_files
 from ucl.write.planning import Planner
 from ucl.write.policy import AdaptiveInterval, DeltaPolicy
 from ucl.write.retention import Retention
@@ -250,10 +252,26 @@ class CheckpointManager:
         self.memory = memory
         self.durable: Repository | None = None
         self._durable_lock: WriterLock | None = None
+        # with several nodes, each holds a part of the memory tier (ucl.write.peers)
+        self._spread: SpreadTier | None = None
         if memory is not None:
+            try:
+                rpn, nodes = memory.node_layout(self.world)
+                if nodes > 1 and delta is not None:
+                    raise InvalidArgumentError("a memory tier spread over nodes holds full steps: delta= "
+                                               "cannot be combined with it (the durable tier's chains would "
+                                               "need every node's parts)")
+            except BaseException:
+                self._close_groups()
+                raise
             self.durable, self._durable_lock = self._open_repo(path, storage_options)
             try:
-                self.repo, self._lock = self._open_repo(memory.path, None)
+                if nodes > 1:
+                    self._spread = SpreadTier(memory.part_path(self.rank // rpn), self.rank, self.world, rpn,
+                                              memory.peers, self._dist, self._ctl, memory.keep_last)
+                    self.repo, self._lock = self._spread.repo, self._spread.lock if self.rank == 0 else None
+                else:
+                    self.repo, self._lock = self._open_repo(memory.path, None)
             except BaseException:
                 if self._durable_lock is not None:
                     self._durable_lock.release()
@@ -276,7 +294,7 @@ class CheckpointManager:
         else:
             assert self.durable is not None
             self._retention = Retention(self.durable, keep_last, keep_every)  # the drain applies it
-            if self.rank == 0:
+            if self.rank == 0 and self._spread is None:
                 assert self._durable_lock is not None
                 self._drain = Drain(self.repo, self.durable, self._durable_lock, self._retention)
                 newest, durable = self.repo.latest(), self.durable.latest()
@@ -286,6 +304,8 @@ class CheckpointManager:
         # drains the persister started since the loop's last step (under _drain_guard)
         self._drains_started = 0
         self._drain_guard = threading.Lock()
+        self._draining = threading.Event()  # spread over nodes: the persister is draining a step
+        self._drain_errors: dict[int, BaseException] = {}  # spread over nodes: drains that failed
         fast = None  # the memory tier's retention: never a step still to drain
         if memory is not None:
             fast = Retention(self.repo, memory.keep_last, None, drain.pending if drain is not None else None)
@@ -522,13 +542,15 @@ class CheckpointManager:
         learns what its drains cost training, as the save interval does (AdaptiveInterval.step); a drain
         blocks nothing, so its cost is the excess of the steps it overlapped."""
         tier, drain = self.memory, self._drain
-        if tier is None or tier.interval is None or drain is None:
+        if tier is None or tier.interval is None or self.rank != 0:
+            return
+        if drain is None and self._spread is None:
             return
         with self._drain_guard:
             started, self._drains_started = self._drains_started, 0
         if started:
             tier.interval.saved(0.0)
-        tier.interval.step(now, busy=bool(drain.pending()))
+        tier.interval.step(now, busy=bool(drain.pending()) if drain is not None else self._draining.is_set())
 
     def _committed_or_pending(self, step: int) -> set[int]:
         out = {h.step for h in self._pending if not h.done()}
@@ -563,6 +585,11 @@ class CheckpointManager:
                 continue
             err = failed.pop(job.step, None)
             files = collected.pop(job.step, {})
+            if self._spread is not None:  # the peers' copies, before the step can commit
+                try:
+                    self._spread.exchange(job.step, files if err is None else {})
+                except BaseException as e:  # noqa: BLE001 - the step fails on every rank
+                    err = err or e
             try:
                 record = self._committer.run(job, files, err, self._kinds.base_of(job))
                 tier = self.memory
@@ -570,6 +597,8 @@ class CheckpointManager:
                     self._drain.submit(job.step)
                     with self._drain_guard:
                         self._drains_started += 1
+                if self._spread is not None:
+                    self._spread_commit(job, record, files)
                 keep = self._kinds.advance(job)
                 self._events.committed(job.step, record, job.kind)
                 job.future.set_result(record)
@@ -581,6 +610,27 @@ class CheckpointManager:
                 if job.slot is not None and self.delta is not None and not keep:
                     self._staging.release(job.slot)
 
+    def _spread_commit(self, job: Job, record: CommitRecord | None, files: Mapping[str, Any]) -> None:
+        """Spread over nodes (the persister, every rank): the committed step into every node's part, then
+        the drain when due. A failed drain is raised by wait(); the step stays in the memory tier."""
+        spread, tier = self._spread, self.memory
+        assert spread is not None and tier is not None and self.durable is not None
+        due, record = spread.replicate(job.step, record, lambda: tier.due(job.step, time.monotonic()))
+        if not due:
+            return
+        if self.rank == 0:
+            with self._drain_guard:
+                self._drains_started += 1
+        self._draining.set()
+        try:
+            inner = {a.key: a.n_inner for a in job.plan.arrays.values()}
+            spread.drain(job.step, record, files, inner, self.durable, self._durable_lock, self._retention)
+        except BaseException as e:  # noqa: BLE001 - the memory copy stays; wait() raises it
+            log.error("draining step %d to %s failed: %s", job.step, self.durable.url, e)
+            self._drain_errors[job.step] = e
+        finally:
+            self._draining.clear()
+
     # -- retention ---------------------------------------------------------------------------------
     def delete_step(self, step: int) -> None:
         """Remove a step: its commit record first (the step disappears atomically), then its files."""
@@ -588,11 +638,18 @@ class CheckpointManager:
 
     # -- reading back ------------------------------------------------------------------------------
     def steps(self) -> list[int]:
-        """The committed steps, oldest first (with a memory tier: those of either tier)."""
+        """The committed steps, oldest first (with a memory tier: those of either tier; spread over
+        nodes, every rank calls it: the steps the nodes' parts hold together, and the durable tier's)."""
+        if self._spread is not None:
+            assert self.durable is not None
+            return self._spread.steps(self.durable)
         return sorted({s for _, repo in self._tiers() for s in repo.steps()})
 
     def latest_step(self) -> int | None:
-        """The newest committed step, None when there is none (with a memory tier: of either tier)."""
+        """The newest committed step, None when there is none (with a memory tier: of either tier; spread
+        over nodes, every rank calls it)."""
+        if self._spread is not None:
+            return (self.steps() or [None])[-1]
         found = [s for _, repo in self._tiers() if (s := repo.latest()) is not None]
         return max(found) if found else None
 
@@ -630,6 +687,9 @@ class CheckpointManager:
             step = repo.latest() if step is None else step  # the step the log names (load reads the same)
             out = self._load(repo, step, approximate)
             self.last_restore = RestoreReport(step, "repository", repo.url)
+        elif self._spread is not None:
+            out, step, repo, self.last_restore = self._spread.restore(
+                step, self.durable, lambda r, s: self._load(r, s, approximate), self._needed)
         else:
             out, step, repo = self._restore_tiered(step, approximate)
         self._events.restored(step, time.perf_counter() - t0, self.layout)
@@ -644,6 +704,18 @@ class CheckpointManager:
             return load(repo.store, step, layout=self.layout, mesh=self.mesh, rank=self.rank,
                         approximate=approximate)
         return load(repo.store, step, approximate=approximate)
+
+    def _needed(self, step: int) -> set[str]:
+        """The files of ``step`` this rank's restore reads: under a layout, the shards its load plan
+        touches and the documents; otherwise every file (each rank loads the whole state)."""
+        record = self.repo.commit_record(step)
+        if self.layout is None:
+            return set(record.files)
+        with open_step(self.repo.store, step) as ckpt:
+            if any(a.delta is not None for a in ckpt.meta.arrays.values()):
+                return set(record.files)
+            plan = load_plan(ckpt, layout=self.layout, mesh=self.mesh, rank=self.rank)
+            return needed_files(ckpt.meta, plan.items) | {r for r in record.files if is_document(r)}
 
     def _restore_tiered(self, step: int | None, approximate: bool = False) -> tuple[Any, int, Repository]:
         """Try (step, tier) candidates newest first, fastest tier first, until every rank loaded one."""
@@ -709,6 +781,8 @@ class CheckpointManager:
                 if not seen:
                     first = first or e
         self._pending = [h for h in self._pending if not h.done()]
+        if first is None and self._drain_errors:
+            first = self._drain_errors.pop(min(self._drain_errors))
         if first is None and self._drain is not None:  # then the drains those saves started
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             self._drain.wait(left)
@@ -732,6 +806,8 @@ class CheckpointManager:
             self._shards.close(timeout)
             if self._drain is not None:
                 self._drain.close(timeout)
+            if self._spread is not None:
+                self._spread.release()
             for lock in (self._lock, self._durable_lock):
                 if lock is not None:
                     lock.release()

@@ -52,12 +52,22 @@ class MemoryTier:
         :class:`~ucl.write.policy.AdaptiveInterval` has passed since the last drained step. The
         manager measures a drain's cost at each ``save``/``save_if_due`` call (one per training step):
         how much longer than usual the steps it overlapped took (AdaptiveInterval.step).
+    ranks_per_node
+        Ranks of the job per node (default: ``LOCAL_WORLD_SIZE`` as torchrun sets it, else every rank on
+        one node). With several nodes the tier is spread over them (ucl.write.peers): each node's
+        ``path`` holds a *part* (its ranks' files, copies of its peers', every step's documents), and a
+        ``{node}`` in ``path`` is replaced by the node's number (nodes sharing one filesystem).
+    peers
+        With several nodes: how many other nodes hold a copy of each node's files (sent rank to rank
+        over torch.distributed), i.e. how many nodes may be lost at once without losing a step.
     """
 
     path: Any
     keep_last: int = 2
     drain_every: int | None = 1
     interval: AdaptiveInterval | None = None
+    ranks_per_node: int | None = None
+    peers: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.keep_last, int) or isinstance(self.keep_last, bool) or self.keep_last < 1:
@@ -72,6 +82,31 @@ class MemoryTier:
               or self.drain_every < 1):
             raise InvalidArgumentError(f"MemoryTier drain_every must be a positive int, "
                                        f"got {self.drain_every!r}")
+        rpn = self.ranks_per_node
+        if rpn is not None and (not isinstance(rpn, int) or isinstance(rpn, bool) or rpn < 1):
+            raise InvalidArgumentError(f"MemoryTier ranks_per_node must be a positive int, got {rpn!r}")
+        if not isinstance(self.peers, int) or isinstance(self.peers, bool) or self.peers < 0:
+            raise InvalidArgumentError(f"MemoryTier peers must be an int >= 0, got {self.peers!r}")
+
+    def node_layout(self, world: int) -> tuple[int, int]:
+        """``(ranks_per_node, nodes)`` for a job of ``world`` ranks."""
+        rpn = self.ranks_per_node
+        if rpn is None:
+            env = os.environ.get("LOCAL_WORLD_SIZE", "")
+            rpn = int(env) if env.isdigit() and int(env) > 0 else world
+        rpn = min(rpn, world)
+        if world % rpn:
+            raise InvalidArgumentError(f"MemoryTier ranks_per_node={rpn} does not divide the {world} ranks "
+                                       "of the job")
+        nodes = world // rpn
+        if nodes > 1 and self.peers > nodes - 1:
+            raise InvalidArgumentError(f"MemoryTier peers={self.peers}: a job of {nodes} nodes has "
+                                       f"{nodes - 1} other node(s) to hold copies")
+        return rpn, nodes
+
+    def part_path(self, node: int) -> str:
+        """The directory of node ``node``'s part (``{node}`` in ``path`` replaced)."""
+        return os.fspath(self.path).replace("{node}", str(node))
 
     def due(self, step: int, now: float) -> bool:
         """Whether committed ``step`` is to be drained (the interval, when given, is told it was)."""
