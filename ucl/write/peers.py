@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import mmap
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -40,7 +41,8 @@ from ucl.errors import CheckpointNotFoundError, StepExistsError, UCLError, Write
 from ucl.format.lock import WriterLock
 from ucl.format.metadata import CommitRecord
 from ucl.format.repository import Repository, commit_key, step_prefix
-from ucl.io.stores.local import HAS_SYNCFS, LocalStore
+from ucl.io.ranges import open_regular
+from ucl.io.stores.local import HAS_SYNCFS, LocalStore, fsync_dir
 from ucl.write.collectives import Collectives, describe
 from ucl.write.events import log
 from ucl.write.retention import Retention
@@ -49,8 +51,7 @@ from ucl.write.tiers import RestoreReport, _shard_of
 
 __all__ = ["PartStore", "SpreadTier", "is_document", "needed_files"]
 
-#: Bytes per message when files move between ranks (bounds the memory a transfer holds at once).
-BATCH_BYTES = 64 << 20
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class PartStore(LocalStore):
@@ -79,7 +80,8 @@ def needed_files(meta: Any, items: Iterable[Any]) -> set[str]:
         start, shape = it.stored_box  # (offset, extent) per dimension
         if not all(shape):
             continue
-        ranges = [range(o // c, (o + n - 1) // c + 1) for o, n, c in zip(start, shape, a.chunk_shape, strict=True)]
+        ranges = [range(o // c, (o + n - 1) // c + 1)
+                  for o, n, c in zip(start, shape, a.chunk_shape, strict=True)]
         out.update(a.shard_key(tuple(coords)) for coords in itertools.product(*ranges))
     return out
 
@@ -140,19 +142,7 @@ class SpreadTier:
             dst = (self.rank + d * self.rpn) % self.world
             src = (self.rank - d * self.rpn) % self.world
             theirs = [(str(n), int(s)) for n, s in json.loads(_swap(self.dist.group, dst, src, header))]
-            out = _batches([(n, int(files[n][0])) for n in mine])
-            inc = _batches(theirs)
-            for i in range(max(len(out), len(inc))):
-                send = b"".join(store.read(f"{prefix}/{n}") for n, _ in out[i]) if i < len(out) else None
-                want = sum(s for _, s in inc[i]) if i < len(inc) else 0
-                got = _sendrecv(self.dist.group, dst if send is not None else None, send,
-                                src if i < len(inc) else None, want)
-                pos = 0
-                for n, s in inc[i] if i < len(inc) else []:
-                    store.write(f"{prefix}/{n}", [memoryview(got)[pos:pos + s]], durable=not HAS_SYNCFS)
-                    pos += s
-        if self.peers:
-            store.sync_all()
+            _transfer(self.dist.group, store, prefix, dst, [(n, int(files[n][0])) for n in mine], src, theirs)
 
     def replicate(self, step: int, record: CommitRecord | None, due: Callable[[], bool]
                   ) -> tuple[bool, CommitRecord]:
@@ -351,18 +341,11 @@ class SpreadTier:
         for (src, dst), names in sorted(plan.items()):
             moved += len(names)
             held[dst].update(names)
-            if self.rank not in (self._leader_of(src), self._leader_of(dst)):
-                continue
-            for batch in _batches([(n, rec.files[n][0]) for n in names]):
-                if self.rank == self._leader_of(src):
-                    data = b"".join(_read_or_empty(store, f"{prefix}/{n}", s) for n, s in batch)
-                    _sendrecv(group, self._leader_of(dst), data, None, 0)
-                else:
-                    got = _sendrecv(group, None, None, self._leader_of(src), sum(s for _, s in batch))
-                    pos = 0
-                    for n, s in batch:  # atomically: a file in a part is whole (holdings counts it)
-                        store.write_atomic(f"{prefix}/{n}", bytes(memoryview(got)[pos:pos + s]))
-                        pos += s
+            files = [(n, rec.files[n][0]) for n in names]
+            if self.rank == self._leader_of(src):
+                _transfer(group, store, prefix, self._leader_of(dst), files, None, [])
+            elif self.rank == self._leader_of(dst):
+                _transfer(group, store, prefix, None, [], self._leader_of(src), files)
         return moved
 
     def steps(self, durable: Repository) -> list[int]:
@@ -426,31 +409,68 @@ class SpreadTier:
             Retention(self.repo, None, None).delete_steps(newer)
 
 
-def _batches(files: list[tuple[str, int]]) -> list[list[tuple[str, int]]]:
-    """Consecutive groups of files of at most BATCH_BYTES each (a larger file alone)."""
-    out: list[list[tuple[str, int]]] = []
-    size = 0
-    for n, s in files:
-        if not out or size + s > BATCH_BYTES:
-            out.append([])
-            size = 0
-        out[-1].append((n, s))
-        size += s
-    return out
-
-
-def _read_or_empty(store: Any, key: str, size: int) -> bytes:
-    """A file to send; a missing or short one is sent as zeros of its size (the pair's message sizes are
-    fixed by the record; the receiver's verified load rejects what arrives)."""
+def _transfer(group: Any, store: Any, prefix: str, dst: int | None, send: list[tuple[str, int]],
+              src: int | None, recv: list[tuple[str, int]]) -> None:
+    """Send the files ``send`` ((name, size), under ``prefix``) to rank ``dst`` and receive ``recv`` from
+    rank ``src`` into this part: one message per file, straight from and into the files' pages (mapped),
+    so that no copy is made in this process. A received file appears whole (written under a temporary
+    name, renamed once complete: a part's holdings count only whole files), then durable."""
+    tensors: list[torch.Tensor] = []
+    maps: list[mmap.mmap] = []
+    done: list[tuple[str, str]] = []
     try:
-        data = store.read_bounded(key, size)
-    except (FileNotFoundError, UCLError):
-        data = b""
-    return data if len(data) == size else data[:size] + bytes(size - len(data))
+        reqs = []
+        for i, (n, size) in enumerate(send):
+            if size:
+                buf = _source(store, f"{prefix}/{n}", size, maps)
+                tensors.append(torch.frombuffer(buf, dtype=torch.uint8))
+                reqs.append(dist.isend(tensors[-1], group=group, group_dst=dst, tag=i))
+        for i, (n, size) in enumerate(recv):
+            path = store.write_path(f"{prefix}/{n}")
+            tmp = f"{path}.peer-{os.getpid()}"
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+            try:
+                os.ftruncate(fd, size)
+                if size:  # its pages made at once (populate), not one fault at a time in the receive
+                    maps.append(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE))
+            finally:
+                os.close(fd)
+            done.append((tmp, path))
+            if size:
+                tensors.append(torch.frombuffer(maps[-1], dtype=torch.uint8))
+                reqs.append(dist.irecv(tensors[-1], group=group, group_src=src, tag=i))
+        for r in reqs:
+            r.wait()
+    finally:
+        del tensors[:]  # the buffers' exports, before their maps close
+        for m in maps:
+            m.close()
+    for tmp, path in done:
+        os.replace(tmp, path)
+    if done and not store.sync_all():
+        for d in sorted({os.path.dirname(p) for _, p in done}):
+            fsync_dir(d)
+
+
+def _source(store: Any, key: str, size: int, maps: list[mmap.mmap]) -> Any:
+    """``size`` bytes of a file to send, mapped (copy on write: a writable buffer, no copy made); a missing
+    or short file is sent as zeros of its size (the message sizes come from the record; the receiver's
+    verified load rejects what arrives)."""
+    try:
+        fd, st = open_regular(store.local_path(key), name=key)
+    except (OSError, UCLError):
+        return bytearray(size)
+    try:
+        if st.st_size < size:
+            return bytearray(size)
+        maps.append(mmap.mmap(fd, size, access=mmap.ACCESS_COPY))
+        return maps[-1]
+    finally:
+        os.close(fd)
 
 
 def _swap(group: Any, dst: int, src: int, data: bytes) -> bytes:
-    """Send ``data`` to ``dst`` and receive what ``src`` sends (its length first)."""
+    """Send ``data`` (a small header) to ``dst`` and receive what ``src`` sends (its length first)."""
     n = torch.tensor([len(data)], dtype=torch.int64)
     m = torch.empty(1, dtype=torch.int64)
     reqs = [dist.isend(n, group=group, group_dst=dst), dist.irecv(m, group=group, group_src=src)]
@@ -459,15 +479,14 @@ def _swap(group: Any, dst: int, src: int, data: bytes) -> bytes:
     return _sendrecv(group, dst, data, src, int(m.item()))
 
 
-def _sendrecv(group: Any, dst: int | None, data: bytes | None, src: int | None, size: int) -> bytearray:
-    """Post a send of ``data`` to ``dst`` and a receive of ``size`` bytes from ``src`` (either may be None),
-    then wait for both."""
+def _sendrecv(group: Any, dst: int, data: bytes, src: int, size: int) -> bytearray:
+    """Post a send of ``data`` to ``dst`` and a receive of ``size`` bytes from ``src``, then wait for both."""
     reqs = []
-    if dst is not None and data:
+    if data:
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         reqs.append(dist.isend(buf, group=group, group_dst=dst))
     out = bytearray(size)
-    if src is not None and size:
+    if size:
         reqs.append(dist.irecv(torch.frombuffer(out, dtype=torch.uint8), group=group, group_src=src))
     for r in reqs:
         r.wait()
