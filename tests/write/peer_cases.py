@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ucl import CheckpointManager
-from ucl.errors import InvalidArgumentError
+from ucl.errors import InvalidArgumentError, StepExistsError
 from ucl.layout import Mesh, parse_layout
 from ucl.testing import gpt
 from ucl.testing.layout_reference import shard_local_state
@@ -110,3 +110,20 @@ def restore(rank: int, world: int, disk: str, mem: str, rpn: int, tp: int, dp: i
         steps = mgr.steps()
     return {"step": rep.step, "tier": rep.tier, "exact": exact, "reasons": rep.reasons, "latest": latest,
             "steps": steps}
+
+
+def restore_step_then_save(rank: int, world: int, disk: str, mem: str, rpn: int, tp: int, dp: int, step: int,
+                           save: int) -> Any:
+    """Restore an older ``step`` explicitly, then save ``save``, which some node's part already holds: every
+    rank refuses it alike (the parts differ: a replaced node's lacks it)."""
+    with _manager(disk, mem, rpn, tp, dp) as mgr:
+        mgr.restore(step)
+        rep = mgr.last_restore
+        try:
+            mgr.save(save, _nest(local_state(save, rank, tp, dp))).result()
+        except StepExistsError:
+            refused = True
+        else:
+            refused = False
+        assert rep is not None
+        return {"tier": rep.tier, "step": rep.step, "refused": refused, "steps": mgr.steps()}

@@ -77,6 +77,11 @@ def test_three_nodes_one_lost_then_two(tmp_path: Path) -> None:
     shutil.rmtree(mem / "n1")  # node 1's files survive on node 2
     got = dist.run(3, RESTORE, kw)
     assert [(r["step"], r["tier"], r["exact"]) for r in got] == [(3, "peer", True)] * 3
+    # node 1 replaced again, then an older step restored on purpose: step 3 stays (it is committed), and
+    # saving step 3 again is refused on every rank, although node 1's new part does not hold it
+    shutil.rmtree(mem / "n1")
+    got = dist.run(3, "tests.write.peer_cases:restore_step_then_save", dict(kw, step=2, save=3))
+    assert got == [{"tier": "peer", "step": 2, "refused": True, "steps": [0, 2, 3]}] * 3
     # nodes 1 and 2 lost together: node 1's files were only there (peers=1); the durable step 2 is read
     shutil.rmtree(mem / "n1")
     shutil.rmtree(mem / "n2")

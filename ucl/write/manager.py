@@ -554,7 +554,10 @@ class CheckpointManager:
 
     def _committed_or_pending(self, step: int) -> set[int]:
         out = {h.step for h in self._pending if not h.done()}
-        if self.repo.store.exists(commit_key(step)):
+        exists = self.repo.store.exists(commit_key(step))
+        if self._spread is not None:  # the nodes' parts may differ (a replaced node's is new): all agree
+            exists = self._ctl.any_of([exists])[0]
+        if exists:
             out.add(step)
         return out
 
