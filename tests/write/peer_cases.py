@@ -15,7 +15,7 @@ from ucl.errors import InvalidArgumentError, StepExistsError
 from ucl.layout import Mesh, parse_layout
 from ucl.testing import gpt
 from ucl.testing.layout_reference import shard_local_state
-from ucl.write.tiers import MemoryTier
+from ucl.write.tiers import ArchiveTier, MemoryTier
 
 CONFIG = gpt.PRESETS["tiny"].replace(vocab=500, n_kv_heads=2)
 
@@ -66,14 +66,16 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _manager(disk: str, mem: str, rpn: int, tp: int, dp: int, peers: int = 1) -> CheckpointManager:
+def _manager(disk: str, mem: str, rpn: int, tp: int, dp: int, peers: int = 1,
+             archive: str | None = None) -> CheckpointManager:
     text, mesh = _layout(tp, dp)
     return CheckpointManager(disk, keep_last=3, layout=text, mesh=mesh,
-                             memory=MemoryTier(mem, keep_last=2, drain_every=2, ranks_per_node=rpn, peers=peers))
+                             memory=MemoryTier(mem, keep_last=2, drain_every=2, ranks_per_node=rpn, peers=peers),
+                             archive=ArchiveTier(archive, every=2) if archive else None)
 
 
 def save(rank: int, world: int, disk: str, mem: str, rpn: int, tp: int, dp: int, steps: int,
-         kill: bool = False, peers: int = 1) -> Any:
+         kill: bool = False, peers: int = 1, archive: str | None = None) -> Any:
     """Save steps 0..steps-1 (drain_every=2); with ``kill``, SIGKILL this process once they committed."""
     text, mesh = _layout(tp, dp)
     try:  # refused on every rank before anything is written: delta chains would span the nodes' parts
@@ -83,7 +85,7 @@ def save(rank: int, world: int, disk: str, mem: str, rpn: int, tp: int, dp: int,
         assert "spread over nodes" in str(e)
     else:
         raise AssertionError("delta= with a memory tier spread over nodes was accepted")
-    mgr = _manager(disk, mem, rpn, tp, dp, peers)
+    mgr = _manager(disk, mem, rpn, tp, dp, peers, archive)
     for s in range(steps):
         mgr.save(s, _nest(local_state(s, rank, tp, dp))).result()
     mgr.wait()
@@ -95,9 +97,9 @@ def save(rank: int, world: int, disk: str, mem: str, rpn: int, tp: int, dp: int,
 
 
 def restore(rank: int, world: int, disk: str, mem: str, rpn: int, tp: int, dp: int, then_save: int = -1,
-            peers: int = 1) -> Any:
+            peers: int = 1, archive: str | None = None) -> Any:
     """A fresh job restores; each rank checks its local state bit for bit against the reference."""
-    with _manager(disk, mem, rpn, tp, dp, peers) as mgr:
+    with _manager(disk, mem, rpn, tp, dp, peers, archive) as mgr:
         latest = mgr.latest_step()
         out = _flat(mgr.restore())
         rep = mgr.last_restore
@@ -113,10 +115,10 @@ def restore(rank: int, world: int, disk: str, mem: str, rpn: int, tp: int, dp: i
 
 
 def restore_step_then_save(rank: int, world: int, disk: str, mem: str, rpn: int, tp: int, dp: int, step: int,
-                           save: int) -> Any:
+                           save: int, archive: str | None = None) -> Any:
     """Restore an older ``step`` explicitly, then save ``save``, which some node's part already holds: every
     rank refuses it alike (the parts differ: a replaced node's lacks it)."""
-    with _manager(disk, mem, rpn, tp, dp) as mgr:
+    with _manager(disk, mem, rpn, tp, dp, archive=archive) as mgr:
         mgr.restore(step)
         rep = mgr.last_restore
         try:

@@ -72,7 +72,8 @@ def test_two_nodes_kill_node_loss_and_damage(tmp_path: Path) -> None:
 
 def test_three_nodes_one_lost_then_two(tmp_path: Path) -> None:
     disk, mem = tmp_path / "disk", tmp_path / "mem"
-    kw = {"disk": str(disk), "mem": str(mem / "n{node}"), "rpn": 1, "tp": 1, "dp": 3}
+    arc = tmp_path / "archive"
+    kw = {"disk": str(disk), "mem": str(mem / "n{node}"), "rpn": 1, "tp": 1, "dp": 3, "archive": str(arc)}
     dist.run(3, SAVE, dict(kw, steps=4, kill=True), expect_fail=True)
     shutil.rmtree(mem / "n1")  # node 1's files survive on node 2
     got = dist.run(3, RESTORE, kw)
@@ -88,6 +89,11 @@ def test_three_nodes_one_lost_then_two(tmp_path: Path) -> None:
     got = dist.run(3, RESTORE, kw)
     assert [(r["step"], r["tier"], r["exact"]) for r in got] == [(2, "durable", True)] * 3
     assert any("lack some of its files" in why for why in got[0]["reasons"])
+    # the disk lost as well: the archive (every 2nd durable step, copied by the coordinator) has step 2
+    assert ucl.validate(arc).ok and ucl.Repository.open(arc).steps() == [0, 2]
+    shutil.rmtree(disk)
+    got = dist.run(3, RESTORE, kw)
+    assert [(r["step"], r["tier"], r["exact"]) for r in got] == [(2, "archive", True)] * 3
 
 
 def test_node_layout_arguments(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -66,7 +66,7 @@ from ucl.write.policy import AdaptiveInterval, DeltaPolicy
 from ucl.write.retention import Retention
 from ucl.write.shards import ShardWriter
 from ucl.write.staging import Staging, StagingSlot, footprint
-from ucl.write.tiers import Drain, MemoryTier, RestoreReport
+from ucl.write.tiers import ArchiveTier, Drain, MemoryTier, RestoreReport
 
 __all__ = ["CheckpointManager", "SaveHandle"]
 
@@ -186,9 +186,12 @@ class CheckpointManager:
                  compression: str | None = None, delta: Any = None, interval: AdaptiveInterval | None = None,
                  storage_options: dict[str, Any] | None = None, timeout: float = 600.0,
                  layout: Any = None, mesh: Any = None, options: WriteOptions = DEFAULT_WRITE,
-                 prepare: Any = None, memory: MemoryTier | None = None) -> None:
+                 prepare: Any = None, memory: MemoryTier | None = None,
+                 archive: ArchiveTier | None = None) -> None:
         if memory is not None and not isinstance(memory, MemoryTier):
             raise InvalidArgumentError(f"memory must be a ucl.write.tiers.MemoryTier, got {memory!r}")
+        if archive is not None and not isinstance(archive, ArchiveTier):
+            raise InvalidArgumentError(f"archive must be a ucl.write.tiers.ArchiveTier, got {archive!r}")
         if when_busy not in ("wait", "skip"):
             raise InvalidArgumentError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
         for n, v in (("keep_last", keep_last), ("keep_every", keep_every)):
@@ -279,6 +282,21 @@ class CheckpointManager:
                 raise
         else:
             self.repo, self._lock = self._open_repo(path, storage_options)
+        # the archive: due steps of the durable tier copied on, verified, by the coordinator's ucl-archive
+        self.archive = archive
+        self._archive_repo: Repository | None = None
+        self._archive_lock: WriterLock | None = None
+        if archive is not None:
+            try:
+                self._archive_repo, self._archive_lock = self._open_repo(archive.url, archive.storage_options)
+            except BaseException:
+                for lock in (self._lock, self._durable_lock):
+                    if lock is not None:
+                        lock.release()
+                if self._spread is not None:
+                    self._spread.release()
+                self._close_groups()
+                raise
         self.last_restore: RestoreReport | None = None  # what the last restore() read, and why
         self._events = SaveEvents(self.repo.url, self.rank)  # the log (ucl.write.events)
         codec = {"name": "zstd", "configuration": {"level": 1, "checksum": False}} if compression else None
@@ -289,14 +307,24 @@ class CheckpointManager:
         self._kinds = StepKinds(delta, self._staging, self._ctl, self.rank, self.world, options.inner_chunk_bytes)
         self._shards = ShardWriter(self.repo, self.rank, writer_threads, direct, options.format_version)
         self._drain: Drain | None = None
+        self._archiver: Drain | None = None
         if memory is None:
             self._retention = Retention(self.repo, keep_last, keep_every)
         else:
             assert self.durable is not None
             self._retention = Retention(self.durable, keep_last, keep_every)  # the drain applies it
+        if archive is not None and self.rank == 0:
+            assert self._archive_repo is not None and self._archive_lock is not None
+            self._archiver = Drain(self.durable or self.repo, self._archive_repo, self._archive_lock,
+                                   Retention(self._archive_repo, archive.keep_last, archive.keep_every),
+                                   name="ucl-archive")
+            self._retention.protected = self._archiver.pending  # kept on disk until archived
+        if memory is not None:
+            assert self.durable is not None
             if self.rank == 0 and self._spread is None:
                 assert self._durable_lock is not None
-                self._drain = Drain(self.repo, self.durable, self._durable_lock, self._retention)
+                self._drain = Drain(self.repo, self.durable, self._durable_lock, self._retention,
+                                    then=self._archive_due)
                 newest, durable = self.repo.latest(), self.durable.latest()
                 if newest is not None and (durable is None or newest > durable):
                     self._drain.submit(newest, report=False)  # committed before a crash, not drained yet
@@ -602,6 +630,8 @@ class CheckpointManager:
                         self._drains_started += 1
                 if self._spread is not None:
                     self._spread_commit(job, record, files)
+                elif self.memory is None and record is not None:
+                    self._archive_due(job.step)
                 keep = self._kinds.advance(job)
                 self._events.committed(job.step, record, job.kind)
                 job.future.set_result(record)
@@ -628,11 +658,17 @@ class CheckpointManager:
         try:
             inner = {a.key: a.n_inner for a in job.plan.arrays.values()}
             spread.drain(job.step, record, files, inner, self.durable, self._durable_lock, self._retention)
+            self._archive_due(job.step)
         except BaseException as e:  # noqa: BLE001 - the memory copy stays; wait() raises it
             log.error("draining step %d to %s failed: %s", job.step, self.durable.url, e)
             self._drain_errors[job.step] = e
         finally:
             self._draining.clear()
+
+    def _archive_due(self, step: int) -> None:
+        """``step`` is committed in the durable tier (the coordinator): copy it to the archive if due."""
+        if self._archiver is not None and self.archive is not None and self.archive.due(step):
+            self._archiver.submit(step)
 
     # -- retention ---------------------------------------------------------------------------------
     def delete_step(self, step: int) -> None:
@@ -644,8 +680,7 @@ class CheckpointManager:
         """The committed steps, oldest first (with a memory tier: those of either tier; spread over
         nodes, every rank calls it: the steps the nodes' parts hold together, and the durable tier's)."""
         if self._spread is not None:
-            assert self.durable is not None
-            return self._spread.steps(self.durable)
+            return self._spread.steps(self._tiers()[1:])
         return sorted({s for _, repo in self._tiers() for s in repo.steps()})
 
     def latest_step(self) -> int | None:
@@ -658,9 +693,11 @@ class CheckpointManager:
 
     def _tiers(self) -> list[tuple[str, Repository]]:
         """The tiers restore reads, fastest first."""
-        if self.durable is None:
-            return [("repository", self.repo)]
-        return [("memory", self.repo), ("durable", self.durable)]
+        tiers = [("memory", self.repo), ("durable", self.durable)] if self.durable is not None else \
+            [("repository" if self._archive_repo is None else "durable", self.repo)]
+        if self._archive_repo is not None:
+            tiers.append(("archive", self._archive_repo))
+        return tiers
 
     def restore(self, step: int | None = None, *, rank_state: bool = False, handover: Any = None,
                 approximate: bool = False) -> Any:
@@ -685,14 +722,14 @@ class CheckpointManager:
         (``ApproximateStepError``).
         """
         t0 = time.perf_counter()
-        if self.durable is None:
+        if self.durable is None and self._archive_repo is None:
             repo = self.repo
             step = repo.latest() if step is None else step  # the step the log names (load reads the same)
             out = self._load(repo, step, approximate)
             self.last_restore = RestoreReport(step, "repository", repo.url)
         elif self._spread is not None:
             out, step, repo, self.last_restore = self._spread.restore(
-                step, self.durable, lambda r, s: self._load(r, s, approximate), self._needed)
+                step, self._tiers()[1:], lambda r, s: self._load(r, s, approximate), self._needed)
         else:
             out, step, repo = self._restore_tiered(step, approximate)
         self._events.restored(step, time.perf_counter() - t0, self.layout)
@@ -753,7 +790,7 @@ class CheckpointManager:
             del out
             reasons.append(f"step {s} in the {name} tier ({repo.url}) failed on rank {failed[0][0]}: "
                            f"{failed[0][1]}")
-            if i == 0 and bad:
+            if i == 0 and bad and name == "memory":
                 damaged.append(s)
         what = f"step {step}" if step is not None else "a committed step"
         raise CheckpointNotFoundError(f"no tier holds {what} that verifies: "
@@ -786,11 +823,12 @@ class CheckpointManager:
         self._pending = [h for h in self._pending if not h.done()]
         if first is None and self._drain_errors:
             first = self._drain_errors.pop(min(self._drain_errors))
-        if first is None and self._drain is not None:  # then the drains those saves started
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            self._drain.wait(left)
-            if self._drain.errors:
-                first = self._drain.errors.pop(min(self._drain.errors))
+        for drain in (self._drain, self._archiver):  # then the drains those saves started, in order
+            if first is None and drain is not None:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                drain.wait(left)
+                if drain.errors:
+                    first = drain.errors.pop(min(drain.errors))
         if first is not None:
             raise first
 
@@ -807,11 +845,12 @@ class CheckpointManager:
             self._queue.put(None)
             self._thread.join(timeout)
             self._shards.close(timeout)
-            if self._drain is not None:
-                self._drain.close(timeout)
+            for drain in (self._drain, self._archiver):  # the first may still hand the second a step
+                if drain is not None:
+                    drain.close(timeout)
             if self._spread is not None:
                 self._spread.release()
-            for lock in (self._lock, self._durable_lock):
+            for lock in (self._lock, self._durable_lock, self._archive_lock):
                 if lock is not None:
                     lock.release()
             self._close_groups()

@@ -348,32 +348,34 @@ class SpreadTier:
                 _transfer(group, store, prefix, None, [], self._leader_of(src), files)
         return moved
 
-    def steps(self, durable: Repository) -> list[int]:
-        """The steps the parts hold together and the durable tier's, oldest first (collective)."""
+    def steps(self, others: list[tuple[str, Repository]]) -> list[int]:
+        """The steps the parts hold together and the slower tiers' (``others``), oldest first
+        (collective)."""
         parts = self.gather_holdings()
-        on_disk = self.ctl.broadcast(durable.steps() if self.rank == 0 else None)
-        return sorted({s for p in parts.values() for s in p if self.covered(parts, s)} | set(on_disk))
+        held = self.ctl.broadcast([r.steps() for _, r in others] if self.rank == 0 else None)
+        return sorted({s for p in parts.values() for s in p if self.covered(parts, s)}.union(*held))
 
-    def restore(self, step: int | None, durable: Repository, load: Callable[[Repository, int], Any],
-                needed: Callable[[int], set[str]]) -> tuple[Any, int, Repository, RestoreReport]:
+    def restore(self, step: int | None, others: list[tuple[str, Repository]],
+                load: Callable[[Repository, int], Any], needed: Callable[[int], set[str]]
+                ) -> tuple[Any, int, Repository, RestoreReport]:
         """A tiered restore (spec/core.md §12 item 5; collective): the newest step (or ``step``) the
-        parts hold together, then the durable tier's; each candidate assembled in this node's part
-        (:meth:`assemble`) and loaded with every check, a failure on any rank passing to the next
-        candidate. Returns ``(state, step, repository read, report)``; the report's tier is "memory"
-        when no file moved between nodes, "peer" when some did, "durable" for the durable tier."""
+        parts hold together, then the slower tiers' (``others``: (name, repository), fastest first);
+        a memory candidate assembled in this node's part (:meth:`assemble`); each loaded with every
+        check, a failure on any rank passing to the next candidate. Returns ``(state, step, repository
+        read, report)``; the report's tier is "memory" when no file moved between nodes, "peer" when
+        some did, else the slower tier's name."""
         parts = self.gather_holdings()
-        on_disk = set(self.ctl.broadcast(durable.steps() if self.rank == 0 else None))
+        held = [set(h) for h in self.ctl.broadcast([r.steps() for _, r in others] if self.rank == 0 else None)]
         spread = {s for p in parts.values() for s in p}
         memory = {s for s in spread if self.covered(parts, s)}
         reasons = [f"step {s} in the memory tier: the parts that hold its record lack some of its files "
                    "(more nodes lost than peers hold copies)" for s in sorted(spread - memory, reverse=True)
                    if step is None or s == step]
-        steps = [step] if step is not None else sorted(memory | on_disk, reverse=True)
-        candidates = [(s, t) for s in steps for t in ("memory", "durable")
-                      if s in (memory if t == "memory" else on_disk)]
-        for s, t in candidates:
+        steps = [step] if step is not None else sorted(memory.union(*held), reverse=True)
+        tiers = [("memory", self.repo, memory)] + [(n, r, h) for (n, r), h in zip(others, held, strict=True)]
+        candidates = [(s, t, repo) for s in steps for t, repo, has in tiers if s in has]
+        for s, t, repo in candidates:
             out, why, moved = None, None, 0
-            repo = self.repo if t == "memory" else durable
             try:
                 if t == "memory":
                     moved = self.assemble(s, parts, lambda s=s: needed(s))  # type: ignore[misc]
@@ -384,7 +386,7 @@ class SpreadTier:
             if not failed:
                 if step is None:
                     self.drop_newer(s)
-                name = "durable" if t == "durable" else "peer" if moved else "memory"
+                name = "peer" if moved else t
                 if reasons:
                     log.warning("restored step %d from the %s tier (%s) after: %s", s, name, repo.url,
                                 "; ".join(reasons))
@@ -394,7 +396,7 @@ class SpreadTier:
                            f"{failed[0][1]}")
         what = f"step {step}" if step is not None else "a committed step"
         raise CheckpointNotFoundError(f"no tier holds {what} that verifies: "
-                                      + ("; ".join(reasons) or "every tier is empty"), file=durable.url)
+                                      + ("; ".join(reasons) or "every tier is empty"), file=self.url)
 
     def drop_newer(self, step: int) -> None:
         """A leader, after a restore of ``step``: remove from its part every step newer than it (copies

@@ -31,7 +31,7 @@ from ucl.write.policy import AdaptiveInterval
 from ucl.write.retention import Retention
 from ucl.write.step import StepWriter
 
-__all__ = ["Drain", "MemoryTier", "RestoreReport", "copy_step"]
+__all__ = ["ArchiveTier", "Drain", "MemoryTier", "RestoreReport", "copy_step"]
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,42 @@ class MemoryTier:
         return step % self.drain_every == 0
 
 
+@dataclass(frozen=True)
+class ArchiveTier:
+    """A slower tier after the manager's repository (an object store, another filesystem): the steps
+    the policy names are copied there from ``path``, verified, by the coordinator's ``ucl-archive``
+    thread, each with the same commit record; it has its own retention, and restore reads it last.
+
+    Parameters
+    ----------
+    url
+        The archive repository (a directory or an fsspec URL such as ``s3://bucket/job``; created if
+        needed).
+    every
+        Copy every committed step of ``path`` divisible by ``every``.
+    keep_last, keep_every
+        The archive's retention (None keeps every step copied there).
+    storage_options
+        fsspec options of ``url``.
+    """
+
+    url: Any
+    every: int = 1
+    keep_last: int | None = None
+    keep_every: int | None = None
+    storage_options: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("every", "keep_last", "keep_every"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise InvalidArgumentError(f"ArchiveTier {name} must be a positive int or None, got {v!r}")
+
+    def due(self, step: int) -> bool:
+        """Whether ``step``, committed in the manager's repository, is to be copied here."""
+        return step % self.every == 0
+
+
 @dataclass
 class RestoreReport:
     """What :meth:`CheckpointManager.restore` read: the step, the tier and its url, and why (every
@@ -186,14 +222,16 @@ class Drain:
     later step is drained (retention then treats it as any older step).
     """
 
-    def __init__(self, src: Repository, dst: Repository, lock: WriterLock, retention: Retention) -> None:
+    def __init__(self, src: Repository, dst: Repository, lock: WriterLock, retention: Retention, *,
+                 then: Any = None, name: str = "ucl-drain") -> None:
         self.src, self.dst, self.lock, self.retention = src, dst, lock, retention
+        self.then = then  # called with each step drained (the next tier's drain may take it on)
         self._queue: queue.Queue[tuple[int, bool] | None] = queue.Queue()
         self._pending: set[int] = set()
         self._guard = threading.Lock()
         self._idle = threading.Condition(self._guard)
         self.errors: dict[int, BaseException] = {}
-        self._thread = threading.Thread(target=self._loop, name="ucl-drain", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, step: int, *, report: bool = True) -> None:
@@ -216,8 +254,10 @@ class Drain:
             try:
                 if copy_step(self.src, self.dst, step, self.lock):
                     self.lock.renew()
-                    self.retention.retain(step)  # the durable tier's own keep_last / keep_every
+                    self.retention.retain(step)  # the destination's own keep_last / keep_every
                 log.info("step %d drained from %s to %s", step, self.src.url, self.dst.url)
+                if self.then is not None:
+                    self.then(step)
             except StepExistsError:  # committed there by an earlier drain of the same step
                 pass
             except BaseException as e:  # noqa: BLE001 - reported by wait(); the memory copy stays

@@ -368,3 +368,29 @@ def test_every_writer_takes_the_s3_lease(bucket, tmp_path) -> None:  # noqa: ANN
     import_checkpoint(src, url, step=3)
     assert not FsspecStore(url).exists("writer.lock")
     assert Repository.open(url).steps() == [1, 2, 3] and ucl.validate(url).ok
+
+
+# -- the archive tier on S3 ------------------------------------------------------------------------------
+def test_archive_tier_on_s3(bucket, tmp_path) -> None:
+    """Memory tier -> disk -> S3 archive (every 2 steps, its own keep_last); with memory and disk gone,
+    restore reads the archive's newest step, every checksum verified."""
+    import shutil
+
+    from ucl.write.tiers import ArchiveTier, MemoryTier
+
+    url = f"s3://{bucket}/archive"
+    mem, disk = tmp_path / "mem", tmp_path / "disk"
+    with CheckpointManager(disk, keep_last=1, memory=MemoryTier(mem, keep_last=1),
+                           archive=ArchiveTier(url, every=2, keep_last=2)) as mgr:
+        for step in range(1, 8):
+            mgr.save(step, state_at(step))
+        mgr.wait()
+    assert Repository.open(url).steps() == [4, 6]
+    assert ucl.validate(url).ok
+    shutil.rmtree(mem)
+    shutil.rmtree(disk)
+    with CheckpointManager(disk, memory=MemoryTier(mem), archive=ArchiveTier(url, every=2)) as mgr:
+        got = mgr.restore()
+        assert mgr.last_restore is not None and (mgr.last_restore.tier, mgr.last_restore.step) == ("archive", 6)
+    want = state_at(6)
+    assert bits(got["model"]["w"]) == bits(want["model"]["w"]) and got["optim"]["count"] == 6
