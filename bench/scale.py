@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import multiprocessing
 import os
 import pickle
 import statistics
@@ -105,10 +106,35 @@ class SimulatedGroup:
         return obj
 
 
+_SIM: dict[str, Any] = {}
+
+
+def _sim_init(layers: int, world: int) -> None:
+    """A worker of the rank simulation: the job and every rank's local shapes, once."""
+    layout, mesh, logical = job(layers, world)
+    by_id: dict[int, dict[str, tuple[tuple[int, ...], str]]] = {}
+    _SIM.update(layout=layout, mesh=mesh, shapes=[
+        by_id.setdefault(id(loc), {n: (lt.shape, lt.dtype) for n, lt in loc.items()})
+        for loc in local_states(layout, mesh, logical)])
+
+
+def _sim_rank(r: int) -> tuple[bytes, bytes, dict[str, tuple[int, int]]]:
+    """Rank ``r``'s part, by the functions that rank runs: its pickled summary, the digest of its set of
+    arrays, and the shard files its report names."""
+    from ucl.plan import save as saveplan
+    from ucl.plan import summary
+    from ucl.write.planning import compact_summary
+
+    p, _, s = compact_summary(_SIM["layout"], _SIM["mesh"], r, _SIM["shapes"][r])
+    assert p is not None and s is not None, f"rank {r} did not plan"
+    writes = saveplan.from_layout(p, None).writes
+    files = {w.array.shard_key(w.coords): (w.array.nbytes, 0xDEADBEEF) for w in writes}
+    return pickle.dumps(s), summary.PlanSummary.from_tuple(s).arrays, files
+
+
 def ucl_case(layers: int, world: int, reps: int) -> dict[str, Any]:
     from ucl.format.metadata import CommitRecord, StepMeta
     from ucl.plan import save as saveplan
-    from ucl.plan import summary
     from ucl.write.kinds import delta_array
     from ucl.write.planning import Planner, compact_arrays, compact_summary
     from ucl.write.step import step_documents
@@ -123,20 +149,19 @@ def ucl_case(layers: int, world: int, reps: int) -> dict[str, Any]:
     sent: list[bytes] = []
     collected: dict[int, bytes] = {}
     files: dict[str, tuple[int, int]] = {}  # every rank's shard files, as its report names them
-    have: dict[str, bytes] = {}
     seen: set[bytes] = set()
-    for r in range(world):
-        p, digests, s = compact_summary(layout, mesh, r, shapes_of[r])
-        assert p is not None and s is not None, f"rank {r} did not plan"
-        sent.append(pickle.dumps(s))
-        arrays_digest = summary.PlanSummary.from_tuple(s).arrays
-        if r == 0:
-            have = digests
-        elif arrays_digest not in seen:  # the first rank of each other set of arrays: a representative
-            collected[r] = compact_arrays(p, digests, have)
-        seen.add(arrays_digest)
-        for w in saveplan.from_layout(p, None).writes:
-            files[w.array.shard_key(w.coords)] = (w.array.nbytes, 0xDEADBEEF)
+    # every rank's summary and shard files, on all cores (each worker builds the job once)
+    with multiprocessing.get_context("fork").Pool(os.cpu_count() or 1, _sim_init, (layers, world)) as pool:
+        for r, (blob, arrays_digest, rank_files) in enumerate(pool.imap(_sim_rank, range(world), 64)):
+            sent.append(blob)
+            files.update(rank_files)
+            if r and arrays_digest not in seen:  # the first rank of each other set of arrays
+                collected[r] = b""
+            seen.add(arrays_digest)
+    _, have, _ = compact_summary(layout, mesh, 0, shapes_of[0])
+    for r in collected:
+        p, digests, _ = compact_summary(layout, mesh, r, shapes_of[r])
+        collected[r] = compact_arrays(p, digests, have)
         del p, digests
     gc.collect()
     times, received = [], 0

@@ -69,8 +69,8 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
 def _manager(disk: str, mem: str, rpn: int, tp: int, dp: int, peers: int = 1,
              archive: str | None = None) -> CheckpointManager:
     text, mesh = _layout(tp, dp)
-    return CheckpointManager(disk, keep_last=3, layout=text, mesh=mesh,
-                             memory=MemoryTier(mem, keep_last=2, drain_every=2, ranks_per_node=rpn, peers=peers),
+    tier = MemoryTier(mem, keep_last=2, drain_every=2, ranks_per_node=rpn, peers=peers)
+    return CheckpointManager(disk, keep_last=3, layout=text, mesh=mesh, memory=tier,
                              archive=ArchiveTier(archive, every=2) if archive else None)
 
 

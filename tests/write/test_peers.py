@@ -15,7 +15,7 @@ import ucl
 from ucl.errors import CheckpointNotFoundError, InvalidArgumentError
 from ucl.testing import dist
 from ucl.tools.gc import gc
-from ucl.write.peers import PartStore, is_document, needed_files
+from ucl.write.peers import PartStore, _bitmap, _members, is_document, needed_files
 from ucl.write.tiers import MemoryTier
 
 SAVE, RESTORE = "tests.write.peer_cases:save", "tests.write.peer_cases:restore"
@@ -57,6 +57,12 @@ def test_two_nodes_kill_node_loss_and_damage(tmp_path: Path) -> None:
     # a fresh job: every rank restores step 3 from its own node's part
     got = dist.run(4, RESTORE, kw)
     assert [(r["step"], r["tier"], r["exact"], r["latest"]) for r in got] == [(3, "memory", True, 3)] * 4
+    # node 0's record of step 3 damaged: its part is taken not to hold the step; node 1's copies of node
+    # 0's files cover it, so the restore moves them to node 0 (and rewrites node 0's record)
+    rec = mem / "node0" / "parts" / "3.json"
+    rec.write_bytes(rec.read_bytes()[:-9])
+    got = dist.run(4, RESTORE, kw)
+    assert [(r["step"], r["tier"], r["exact"]) for r in got] == [(3, "peer", True)] * 4
     # node 1 lost: its processes killed (above) and its memory gone; its replacement reads from node 0
     shutil.rmtree(mem / "node1")
     got = dist.run(4, RESTORE, dict(kw, then_save=4))
@@ -131,3 +137,12 @@ def test_needed_files_are_the_shards_a_box_touches() -> None:
     assert needed_files(meta, [item]) == {"model/w/c/0/1", "model/w/c/1/1"}
     empty = SimpleNamespace(array="w", stored_box=((0, 0), (0, 4)))
     assert needed_files(meta, [empty]) == set()
+
+
+def test_bitmaps_of_files() -> None:
+    """What the ranks allgather at restore: a bit per file of the record (small at thousands of ranks)."""
+    universe = [f"f{i:03d}" for i in range(19)]
+    for names in (set(), {"f000"}, {"f018", "f007", "f008"}, set(universe)):
+        bits = _bitmap(names, universe)
+        assert len(bits) == 3 and _members(bits, universe) == names
+    assert _members(_bitmap({"not listed"}, universe), universe) == set()

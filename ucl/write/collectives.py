@@ -125,6 +125,14 @@ class Collectives:
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
         return box[0]
 
+    def broadcast_from(self, obj: Any, src: int) -> Any:
+        """Rank ``src``'s ``obj`` on every rank (the other ranks' argument is ignored)."""
+        if self.group is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src), group=self.group)
+        return box[0]
+
     def barrier(self) -> None:
         """Wait until every rank of the group is here."""
         if self.group is not None:

@@ -41,6 +41,7 @@ from ucl.errors import CheckpointNotFoundError, StepExistsError, UCLError, Write
 from ucl.format.lock import WriterLock
 from ucl.format.metadata import CommitRecord
 from ucl.format.repository import Repository, commit_key, step_prefix
+from ucl.io.native import crc32c
 from ucl.io.ranges import open_regular
 from ucl.io.stores.local import HAS_SYNCFS, LocalStore, fsync_dir
 from ucl.write.collectives import Collectives, describe
@@ -247,36 +248,54 @@ class SpreadTier:
         log.info("step %d drained from the memory tier's parts to %s", step, durable.url)
 
     # -- restoring (the caller's thread, every rank) -------------------------------------------------
-    def holdings(self) -> dict[int, tuple[bytes, list[str]]] | None:
-        """A leader: the steps its part holds, step -> (commit record, the files it holds of the step);
-        None on the other ranks."""
-        if not self.leader:
-            return None
-        out: dict[int, tuple[bytes, list[str]]] = {}
-        store = self.repo.store
-        for s in self.repo.steps():
+    def _records(self) -> dict[int, bytes]:
+        """A leader: the commit records its part holds that verify (step -> bytes)."""
+        out: dict[int, bytes] = {}
+        for st in self.repo.steps():
             try:
-                raw = store.read(commit_key(s))
-            except (FileNotFoundError, UCLError):
+                raw = self.repo.store.read(commit_key(st))
+                CommitRecord.from_bytes(raw, f"{self.url}/{commit_key(st)}", st)
+            except (FileNotFoundError, UCLError) as e:
+                log.warning("the memory tier's part %s: the record of step %d is passed over: %s",
+                            self.url, st, e)
                 continue
-            prefix = step_prefix(s) + "/"
-            out[s] = (raw, sorted(f.key[len(prefix):] for f in store.walk(step_prefix(s))))
+            out[st] = raw
         return out
 
     def gather_holdings(self) -> dict[int, dict[int, tuple[CommitRecord, set[str]]]]:
-        """Every node's holdings (node -> step -> (record, files held)), on every rank (collective)."""
-        parts: dict[int, dict[int, tuple[CommitRecord, set[str]]]] = {}
-        for r, held in enumerate(self.ctl.allgather(self.holdings())):
-            if held is None:
+        """Every node's holdings (node -> step -> (record, files held)), on every rank (collective).
+
+        Sized for thousands of ranks (an allgather pads every rank's object to the largest one's size):
+        the leaders send each record's crc32c; each step's record travels once, from the first node holding
+        it (a part whose record differs from that one is taken not to hold the step); then each part's
+        files as a bitmap over the record's sorted files."""
+        records = self._records() if self.leader else {}
+        crcs = self.ctl.allgather({st: _crc(raw) for st, raw in records.items()} if self.leader else None)
+        first: dict[int, tuple[int, int]] = {}  # step -> (node, crc) of the first node holding it
+        for r, held in enumerate(crcs):
+            for st, c in (held or {}).items():
+                first.setdefault(st, (r // self.rpn, c))
+        recs: dict[int, CommitRecord] = {}
+        for st, (node, _) in sorted(first.items()):
+            raw = self.ctl.broadcast_from(records.get(st) if self.node == node and self.leader else None,
+                                          self._leader_of(node))
+            try:
+                recs[st] = CommitRecord.from_bytes(raw, f"node {node}: {commit_key(st)}", st)
+            except UCLError:
                 continue
-            node = r // self.rpn
-            parts[node] = {}
-            for s, (raw, names) in held.items():
-                try:
-                    rec = CommitRecord.from_bytes(raw, f"node {node}: {commit_key(s)}", s)
-                except UCLError:
-                    continue
-                parts[node][s] = (rec, set(names) & set(rec.files))
+        universe = {st: sorted(rec.files) for st, rec in recs.items()}
+        bits = None
+        if self.leader:
+            bits = {}
+            for st, raw in records.items():
+                if st in recs and _crc(raw) == first[st][1]:
+                    prefix = step_prefix(st) + "/"
+                    names = {f.key[len(prefix):] for f in self.repo.store.walk(step_prefix(st))}
+                    bits[st] = _bitmap(names, universe[st])
+        parts: dict[int, dict[int, tuple[CommitRecord, set[str]]]] = {}
+        for r, held in enumerate(self.ctl.allgather(bits)):
+            if held is not None:
+                parts[r // self.rpn] = {st: (recs[st], _members(b, universe[st])) for st, b in held.items()}
         return parts
 
     @staticmethod
@@ -301,7 +320,7 @@ class SpreadTier:
         err: BaseException | None = None
         mine: set[str] = set()
         try:
-            if self.leader and not self.repo.store.exists(commit_key(step)):
+            if self.leader and step not in parts.get(self.node, {}):  # absent, or not the tier's record
                 self.repo.store.write_atomic(commit_key(step), rec.to_bytes())
         except BaseException as e:  # noqa: BLE001 - raised after the collectives
             err = e
@@ -312,8 +331,9 @@ class SpreadTier:
             except BaseException as e:  # noqa: BLE001
                 err, mine = e, set(rec.files)
         wants: dict[int, set[str]] = {n: set() for n in range(self.nodes)}
-        for r, names in enumerate(self.ctl.allgather(sorted(mine))):
-            wants[r // self.rpn].update(names)
+        universe = sorted(rec.files)
+        for r, b in enumerate(self.ctl.allgather(_bitmap(mine, universe))):  # a bit per file: small at scale
+            wants[r // self.rpn].update(_members(b, universe))
         moved += self._move(step, rec, wants, held)
         self.ctl.barrier()
         if err is not None:
@@ -365,7 +385,8 @@ class SpreadTier:
         read, report)``; the report's tier is "memory" when no file moved between nodes, "peer" when
         some did, else the slower tier's name."""
         parts = self.gather_holdings()
-        held = [set(h) for h in self.ctl.broadcast([r.steps() for _, r in others] if self.rank == 0 else None)]
+        listed = self.ctl.broadcast([r.steps() for _, r in others] if self.rank == 0 else None)
+        held = [set(h) for h in listed]
         spread = {s for p in parts.values() for s in p}
         memory = {s for s in spread if self.covered(parts, s)}
         reasons = [f"step {s} in the memory tier: the parts that hold its record lack some of its files "
@@ -409,6 +430,23 @@ class SpreadTier:
             log.warning("removing step(s) %s from the memory tier's part %s: newer than the step restored, "
                         "and not restorable", ", ".join(map(str, newer)), self.url)
             Retention(self.repo, None, None).delete_steps(newer)
+
+
+def _crc(data: bytes) -> int:
+    return int(crc32c(data))
+
+
+def _bitmap(names: set[str], universe: list[str]) -> bytes:
+    """The members of ``universe`` (sorted) in ``names``, one bit each."""
+    out = bytearray((len(universe) + 7) // 8)
+    for i, n in enumerate(universe):
+        if n in names:
+            out[i >> 3] |= 1 << (i & 7)
+    return bytes(out)
+
+
+def _members(bits: bytes, universe: list[str]) -> set[str]:
+    return {n for i, n in enumerate(universe) if bits[i >> 3] >> (i & 7) & 1}
 
 
 def _transfer(group: Any, store: Any, prefix: str, dst: int | None, send: list[tuple[str, int]],
