@@ -129,3 +129,13 @@ def restore_step_then_save(rank: int, world: int, disk: str, mem: str, rpn: int,
             refused = False
         assert rep is not None
         return {"tier": rep.tier, "step": rep.step, "refused": refused, "steps": mgr.steps()}
+
+
+def tree(rank: int, world: int) -> Any:
+    """Collectives.tree_send to some of the ranks, out of order, down a tree three levels deep."""
+    from ucl.write.collectives import Collectives
+
+    c = Collectives.make(None, 60.0)
+    got = c.tree_send({"docs": b"x" * 100_000, "n": 7} if rank == 0 else None, [5, 2, 4, 1, 6])
+    c.close()
+    return None if got is None else [len(got["docs"]), got["n"]]

@@ -146,3 +146,8 @@ def test_bitmaps_of_files() -> None:
         bits = _bitmap(names, universe)
         assert len(bits) == 3 and _members(bits, universe) == names
     assert _members(_bitmap({"not listed"}, universe), universe) == set()
+
+
+def test_tree_send_reaches_the_receivers_only() -> None:
+    out = dist.run(7, "tests.write.peer_cases:tree", {})
+    assert out == [[100_000, 7], [100_000, 7], [100_000, 7], None, [100_000, 7], [100_000, 7], [100_000, 7]]

@@ -82,24 +82,34 @@ class Collectives:
             dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), group=self.group, group_dst=0)
         return []
 
-    def collect_from_coordinator(self, obj: Any, receivers: list[int]) -> Any:
-        """The coordinator's ``obj`` on each rank in ``receivers`` (not the coordinator), point to point;
-        the coordinator gets its own ``obj``, every other rank None."""
+    def tree_send(self, obj: Any, receivers: list[int]) -> Any:
+        """The coordinator's ``obj`` on each rank in ``receivers`` (not the coordinator), passed down a
+        binary tree of them (the coordinator its root): each receiver gets it once and sends it on at
+        most twice, so no rank sends ``len(receivers)`` copies. The coordinator and the receivers return
+        it, every other rank None."""
         if self.group is None:
             return obj
-        if self.rank == 0:
+        order = [0] + [r for r in receivers if r != 0]
+        if self.rank not in order:
+            return None
+        at = order.index(self.rank)
+        if at == 0:
             blob = pickle.dumps(obj)
-            for r in receivers:
-                dist.send(torch.tensor([len(blob)], dtype=torch.int64), group=self.group, group_dst=r)
-                dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), group=self.group, group_dst=r)
-            return obj
-        if self.rank in receivers:
+        else:
             size = torch.empty(1, dtype=torch.int64)
-            dist.recv(size, group=self.group, group_src=0)
+            parent = order[(at - 1) // 2]
+            dist.recv(size, group=self.group, group_src=parent)
             data = torch.empty(int(size.item()), dtype=torch.uint8)
-            dist.recv(data, group=self.group, group_src=0)
-            return pickle.loads(data.numpy().tobytes())
-        return None
+            dist.recv(data, group=self.group, group_src=parent)
+            blob = data.numpy().tobytes()
+            obj = pickle.loads(blob)
+        for child in (2 * at + 1, 2 * at + 2):
+            if child < len(order):
+                dst = order[child]
+                dist.send(torch.tensor([len(blob)], dtype=torch.int64), group=self.group, group_dst=dst)
+                data = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+                dist.send(data, group=self.group, group_dst=dst)
+        return obj
 
     def allgather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` on every rank, in rank order."""

@@ -159,7 +159,7 @@ class SpreadTier:
             flag = {"due": bool(due()), "record": record.to_bytes()}
         flag = self.dist.broadcast(flag)
         leaders = [self._leader_of(n) for n in range(1, self.nodes)]
-        sent = self.dist.collect_from_coordinator(docs, leaders)  # the documents, to the leaders only
+        sent = self.dist.tree_send(docs, leaders)  # the documents, to the leaders only, down a tree
         if self.leader and self.rank != 0:
             self._write_step(step, sent, flag["record"])
         if self.leader:
