@@ -648,8 +648,7 @@ class CheckpointManager:
         the drain when due. A failed drain is raised by wait(); the step stays in the memory tier."""
         spread, tier = self._spread, self.memory
         assert spread is not None and tier is not None and self.durable is not None
-        due, record = spread.replicate(job.step, record, lambda: tier.due(job.step, time.monotonic()))
-        if not due:
+        if not spread.replicate(job.step, record, lambda: tier.due(job.step, time.monotonic())):
             return
         if self.rank == 0:
             with self._drain_guard:
@@ -687,7 +686,8 @@ class CheckpointManager:
         """The newest committed step, None when there is none (with a memory tier: of either tier; spread
         over nodes, every rank calls it)."""
         if self._spread is not None:
-            return (self.steps() or [None])[-1]
+            steps = self.steps()
+            return steps[-1] if steps else None
         found = [s for _, repo in self._tiers() if (s := repo.latest()) is not None]
         return max(found) if found else None
 

@@ -145,27 +145,24 @@ class SpreadTier:
             theirs = [(str(n), int(s)) for n, s in json.loads(_swap(self.dist.group, dst, src, header))]
             _transfer(self.dist.group, store, prefix, dst, [(n, int(files[n][0])) for n in mine], src, theirs)
 
-    def replicate(self, step: int, record: CommitRecord | None, due: Callable[[], bool]
-                  ) -> tuple[bool, CommitRecord]:
+    def replicate(self, step: int, record: CommitRecord | None, due: Callable[[], bool]) -> bool:
         """After ``step`` committed in the coordinator's part (``record`` there): its documents and record
-        into every other node's part, then each part's retention. Returns ``due()`` as the coordinator
-        answered it (whether the step drains) and the record, on every rank."""
-        docs: dict[str, bytes] = {}
+        into every other node's part (down a tree of the nodes' leaders), then each part's retention.
+        Returns ``due()`` as the coordinator answered it (whether the step drains), on every rank."""
+        payload: Any = None
         flag = None
         if self.rank == 0:
             assert record is not None
             prefix = step_prefix(step)
             docs = {rel: self.repo.store.read(f"{prefix}/{rel}") for rel in record.files if is_document(rel)}
-            flag = {"due": bool(due()), "record": record.to_bytes()}
-        flag = self.dist.broadcast(flag)
+            payload, flag = (docs, record.to_bytes()), bool(due())
         leaders = [self._leader_of(n) for n in range(1, self.nodes)]
-        sent = self.dist.tree_send(docs, leaders)  # the documents, to the leaders only, down a tree
+        payload = self.dist.tree_send(payload, leaders)
         if self.leader and self.rank != 0:
-            self._write_step(step, sent, flag["record"])
+            self._write_step(step, *payload)
         if self.leader:
             self._retain(step)
-        rec = record or CommitRecord.from_bytes(flag["record"], commit_key(step), step)
-        return bool(flag["due"]), rec
+        return bool(self.dist.broadcast(flag))
 
     def _write_step(self, step: int, docs: Mapping[str, bytes], record: bytes) -> None:
         """A leader: the documents of ``step``, durable, then its commit record (the part holds it)."""
@@ -185,11 +182,13 @@ class SpreadTier:
             if name.isdigit() and int(name) < newest and int(name) not in held:
                 self.repo.store.delete_prefix(f"steps/{name}")
 
-    def drain(self, step: int, record: CommitRecord, files: Iterable[str], inner: Mapping[str, int],
-              durable: Repository, lock: WriterLock | None, retention: Retention) -> None:
-        """Copy committed ``step`` to ``durable`` (every rank): each rank the files it wrote, read back from
-        its part and verified against ``record``; the coordinator the documents and the same record last.
-        Raises WriteError on every rank when any rank failed (the memory tier keeps the step)."""
+    def drain(self, step: int, record: CommitRecord | None, files: Mapping[str, FileEntry],
+              inner: Mapping[str, int], durable: Repository, lock: WriterLock | None,
+              retention: Retention) -> None:
+        """Copy committed ``step`` to ``durable`` (every rank): each rank the ``files`` it wrote, read back
+        from its part and verified against their entries (those of the record); the coordinator (``record``
+        there) the documents and the same record last. Raises WriteError on every rank when any rank failed
+        (the memory tier keeps the step)."""
         writer = None
         go: dict[str, Any] | None = None
         if self.rank == 0:
@@ -209,20 +208,22 @@ class SpreadTier:
             return
         prefix = step_prefix(step)
         err = None
+        entries = {k: (v[0], v[1]) for k, v in files.items()}
+        mine = CommitRecord(step=step, kind="full", parent=None, files=entries)  # this rank's own files
         try:
             for rel in sorted(files):
-                data = self.repo.read_verified(step, rel, record, n_inner=_shard_of(rel, inner))
+                data = self.repo.read_verified(step, rel, mine, n_inner=_shard_of(rel, dict(inner)))
                 size, _ = durable.store.write(f"{prefix}/{rel}", [data], durable=not HAS_SYNCFS)
-                if size != record.files[rel][0]:
+                if size != files[rel][0]:
                     raise WriteError(f"{durable.url}/{prefix}/{rel}: {size} bytes written, the record says "
-                                     f"{record.files[rel][0]}", file=f"{prefix}/{rel}")
+                                     f"{files[rel][0]}", file=f"{prefix}/{rel}")
             _sync(durable, prefix, files)
         except BaseException as e:  # noqa: BLE001
             err = describe(e)
         errors = self.dist.gather(err)
         verdict: dict[str, Any] | None = None
         if self.rank == 0:
-            assert writer is not None
+            assert writer is not None and record is not None
             bad = [e for e in errors if e]
             if bad:
                 verdict = {"ok": False, "error": bad[0]}
@@ -480,7 +481,7 @@ def _transfer(group: Any, store: Any, prefix: str, dst: int | None, send: list[t
                 tensors.append(torch.frombuffer(maps[-1], dtype=torch.uint8))
                 reqs.append(dist.irecv(tensors[-1], group=group, group_src=src, tag=i))
         for r in reqs:
-            r.wait()
+            r.wait()  # type: ignore[union-attr]
     finally:
         del tensors[:]  # the buffers' exports, before their maps close
         for m in maps:
@@ -509,13 +510,13 @@ def _source(store: Any, key: str, size: int, maps: list[mmap.mmap]) -> Any:
         os.close(fd)
 
 
-def _swap(group: Any, dst: int, src: int, data: bytes) -> bytes:
+def _swap(group: Any, dst: int, src: int, data: bytes) -> bytearray:
     """Send ``data`` (a small header) to ``dst`` and receive what ``src`` sends (its length first)."""
     n = torch.tensor([len(data)], dtype=torch.int64)
     m = torch.empty(1, dtype=torch.int64)
     reqs = [dist.isend(n, group=group, group_dst=dst), dist.irecv(m, group=group, group_src=src)]
     for r in reqs:
-        r.wait()
+        r.wait()  # type: ignore[union-attr]
     return _sendrecv(group, dst, data, src, int(m.item()))
 
 
@@ -529,7 +530,7 @@ def _sendrecv(group: Any, dst: int, data: bytes, src: int, size: int) -> bytearr
     if size:
         reqs.append(dist.irecv(torch.frombuffer(out, dtype=torch.uint8), group=group, group_src=src))
     for r in reqs:
-        r.wait()
+        r.wait()  # type: ignore[union-attr]
     return out
 
 
