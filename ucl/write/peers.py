@@ -21,8 +21,8 @@ Call sequence (the persister thread of every rank, on the manager's persister gr
 
 Restore (the caller's thread, on the manager's control group, every rank): ``holdings()`` allgathered,
 ``candidates`` (the same list on every rank), then ``assemble(step, ...)``, which moves the files each
-node's ranks need and its part lacks from a part that holds them (leader to leader, one pair at a time in
-one global order), after which every rank loads from its own part, every checksum verified.
+node's ranks need and its part lacks from a part that holds them (local rank i to local rank i, in one
+global order), after which every rank loads from its own part, every checksum verified.
 """
 
 from __future__ import annotations
@@ -344,9 +344,10 @@ class SpreadTier:
     def _move(self, step: int, rec: CommitRecord, wants: Mapping[int, set[str]], held: dict[int, set[str]]
               ) -> int:
         """Move to each node the files it ``wants`` and does not hold, each from the nearest node after
-        it that holds it, leader to leader; updates ``held``. The same plan on every rank: one pair of
-        leaders at a time, in one global order, which cannot deadlock (the first unfinished transfer's
-        two ranks have finished every earlier one)."""
+        it that holds it; updates ``held``. The files of a pair of nodes are shared out among their local
+        ranks (local rank i of one to local rank i of the other, balanced by bytes), so a node's ranks move
+        them in parallel. The same plan on every rank, each rank's transfers done in one global order,
+        which cannot deadlock (the first unfinished transfer's two ranks have finished every earlier one)."""
         plan: dict[tuple[int, int], list[str]] = {}
         for dst in range(self.nodes):
             for rel in sorted(wants[dst] - held[dst]):
@@ -359,14 +360,21 @@ class SpreadTier:
         prefix, store = step_prefix(step), self.repo.store
         group = self.ctl.group
         moved = 0
+        local = self.rank % self.rpn
         for (src, dst), names in sorted(plan.items()):
             moved += len(names)
             held[dst].update(names)
-            files = [(n, rec.files[n][0]) for n in names]
-            if self.rank == self._leader_of(src):
-                _transfer(group, store, prefix, self._leader_of(dst), files, None, [])
-            elif self.rank == self._leader_of(dst):
-                _transfer(group, store, prefix, None, [], self._leader_of(src), files)
+            shares: list[list[tuple[str, int]]] = [[] for _ in range(self.rpn)]
+            load = [0] * self.rpn
+            for n in sorted(names, key=lambda n: (-rec.files[n][0], n)):  # largest first, to the least loaded
+                i = load.index(min(load))
+                shares[i].append((n, rec.files[n][0]))
+                load[i] += rec.files[n][0]
+            mine = sorted(shares[local])
+            if self.node == src and mine:
+                _transfer(group, store, prefix, self._leader_of(dst) + local, mine, None, [])
+            elif self.node == dst and mine:
+                _transfer(group, store, prefix, None, [], self._leader_of(src) + local, mine)
         return moved
 
     def steps(self, others: list[tuple[str, Repository]]) -> list[int]:
