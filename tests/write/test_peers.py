@@ -54,6 +54,8 @@ def test_two_nodes_kill_node_loss_and_damage(tmp_path: Path) -> None:
             ucl.open(part)
         with pytest.raises(InvalidArgumentError, match="part of a memory tier"):
             gc(part)
+        report = ucl.validate(part)  # not "valid, 0 steps": a part alone is not a repository
+        assert not report.ok and "part of a memory tier" in report.problems[0].message
     # a fresh job: every rank restores step 3 from its own node's part
     got = dist.run(4, RESTORE, kw)
     assert [(r["step"], r["tier"], r["exact"], r["latest"]) for r in got] == [(3, "memory", True, 3)] * 4

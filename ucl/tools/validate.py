@@ -18,6 +18,7 @@ from typing import Any
 from ucl.delta import codec as delta_codec
 from ucl.delta.chain import DEFAULT_MAX_CHAIN
 from ucl.errors import (
+    CheckpointNotFoundError,
     ChecksumError,
     CorruptShardIndexError,
     DeltaChainError,
@@ -112,6 +113,12 @@ def validate_repo(path: Any, step: int | None = None, *, storage_options: dict[s
         report.add(e)
         return report
     _check_steps_group(repo, report)
+    if not repo.store.list_dir("commits") and repo.store.list_dir("parts"):
+        report.add(CheckpointNotFoundError(
+            f"{repo.url} is a node's part of a memory tier spread over nodes (its commit records are under "
+            "parts/, spec/core.md §12.1): a part alone is not a repository; validate the durable repository, "
+            "or restore through the CheckpointManager that wrote it", file="parts"))
+        return report
     try:
         steps = repo.steps() if step is None else [step]
     except UCLError as e:  # commits/ that is not a directory, or resolves outside the repository
