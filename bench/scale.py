@@ -278,7 +278,7 @@ def main() -> None:
                      C.fmt_bytes(d["metadata"]), f"{u['s'] / d['s']:.2f}x",
                      f"{u['gathered'] / max(1, d['gathered']):.2f}x",
                      f"{u['full'] / d['metadata']:.1f}x / {u['delta'] / d['metadata']:.1f}x"])
-        print(f"  world {world}: done", flush=True)
+        print(f"  world {world}: " + " | ".join(map(str, rows[-1])), flush=True)  # kept if a later world fails
     print(C.markdown_table(
         ["world", "ucl coordinator s", "ucl gathered", "ucl step doc + array docs", "ucl commit record",
          "ucl delta step (all)", "DCP coordinator s", "DCP gathered", "DCP .metadata", "time ucl/DCP",

@@ -20,6 +20,7 @@ The copy semantics of writes and reads are in :mod:`ucl.plan.items`.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -215,10 +216,12 @@ def _choose_writers(candidates: list[tuple[ShardWrite, tuple[Any, ...], int, int
             groups[key].append((w, size, pos))
     for items in groups.values():
         size, pos = items[0][1], items[0][2]
-        load = [0] * size
+        # the holders by (load, index): a heap, so that a chunk costs log(holders), not one pass over them
+        # (thousands of data-parallel replicas hold each chunk of a large job)
+        heap = [(0, r) for r in range(size)]
         for w, _, _ in sorted(items, key=lambda x: (-x[0].nbytes, x[0].array.name, x[0].chunk_index)):
-            who = min(range(size), key=lambda r: (load[r], r))
-            load[who] += max(1, w.nbytes)
+            load, who = heapq.heappop(heap)
+            heapq.heappush(heap, (load + max(1, w.nbytes), who))
             if who == pos:
                 mine.append(w)
     return sorted(mine, key=lambda w: (w.array.name, w.chunk_index))
