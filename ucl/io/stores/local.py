@@ -259,7 +259,10 @@ class LocalStore(Store):
 
     def _forget_dirs(self, p: str) -> None:
         """``p`` and what was below it are gone: their directories must be checked again."""
-        self._dirs_ok = {d for d in self._dirs_ok if d != p and not d.startswith(p + os.sep)}
+        # a snapshot (copied under the GIL), then removed in place: another thread (a manager's persister)
+        # may add to the set meanwhile, and iterating a set that grows raises
+        gone = [d for d in self._dirs_ok.copy() if d == p or d.startswith(p + os.sep)]
+        self._dirs_ok.difference_update(gone)
 
     def _makedirs(self, d: str) -> None:
         if os.path.isdir(d):
