@@ -391,6 +391,29 @@ class ArrayMeta:
 
 
 # -- logical records, once per step (format version 2) --------------------------------------------
+def array_document(arr: ArrayMeta, format_version: int) -> bytes:
+    """The bytes a writer of ``format_version`` writes as ``arr``'s own document (compact JSON, the same
+    text as its node in the step document): what a reader compares with the commit record's crc32c to
+    confirm a consolidated entry without reading the document (spec/core.md §5.1)."""
+    return dumps(arr.to_dict(with_logical=format_version == 1))
+
+
+def check_array_document(raw: bytes, arr: ArrayMeta, format_version: int, what: str) -> None:
+    """``raw``, an array's own document, says what its consolidated entry ``arr`` says (spec/core.md
+    §5.1): ``inconsistent_metadata`` where it differs; ``schema`` where a version 2 document holds the
+    logical record, which that version keeps in the step document (spec/layout.md §6.3)."""
+    on_disk = ArrayMeta.from_dict(loads(raw, what), what)
+    if format_version >= 2:
+        if on_disk.logical is not None:
+            raise SchemaError(f"{what}: the array document of a version {format_version} step holds no "
+                              "logical record (it is in the step document's attributes.ucl.logical)",
+                              tensor=arr.name, file=what)
+        arr = replace(arr, logical=None)
+    if on_disk != arr:
+        raise InconsistentMetadataError(f"{what} differs from the step's consolidated metadata", tensor=arr.name,
+                                        file=what)
+
+
 def pack_logical(arrays: dict[str, ArrayMeta]) -> dict[str, Any] | None:
     """The step document's ``attributes.ucl.logical`` (spec/layout.md §6.3): every logical tensor that a
     record maps once, ``[name, shape]`` (its dtype is that of the arrays holding it), and each array's

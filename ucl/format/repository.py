@@ -148,34 +148,8 @@ class Repository:
         return self.store.read_bounded(key, metadata.MAX_DOC_BYTES)
 
     def read_verified(self, step: int, rel: str, record: CommitRecord, *, n_inner: int | None = None) -> bytes:
-        """A file of a committed step, checked against its commit record: size, and the crc32c of a
-        document or (given the shard's number of inner chunks, ``n_inner``) a shard's digest."""
-        key = f"{step_prefix(step)}/{rel}"
-        if rel not in record.files:
-            raise MissingShardError(f"{key} is not listed in the commit record of step {step}", file=key)
-        size, crc = record.files[rel]
-        actual = self.store.size(key)  # compared before anything is read: a record's size may lie
-        if actual is None:
-            raise MissingShardError(f"{key} is missing", file=key)
-        if actual != size:
-            raise ShardSizeError(f"{key} is {actual} bytes, the commit record says {size}", file=key)
-        try:
-            data = self.store.read_bounded(key, size)  # never more than the record says: a file may grow
-        except (FileNotFoundError, NotADirectoryError):
-            raise MissingShardError(f"{key} is missing", file=key) from None
-        except LimitExceededError:
-            raise ShardSizeError(f"{key} is larger than the {size} bytes the commit record says",
-                                 file=key) from None
-        if len(data) != size:
-            raise ShardSizeError(f"{key} is {len(data)} bytes, the commit record says {size}", file=key)
-        if n_inner is not None:
-
-            if file_digest(data, n_inner, verify=True, where=key) != crc:
-                raise ChecksumError(f"{key} does not hold the chunks its commit record names (digest differs)",
-                                    file=key)
-        elif _native.crc32c(data) != crc:
-            raise ChecksumError(f"{key} fails its crc32c", file=key)
-        return data
+        """A file of a committed step, checked against its commit record (:func:`read_listed`)."""
+        return read_listed(self.store, step, rel, record, n_inner=n_inner)
 
     def step_meta(self, step: int, record: CommitRecord | None = None) -> StepMeta:
         """The step's document, checked against its commit record. A delta step that takes its logical
@@ -231,3 +205,32 @@ class Repository:
                 self._records_cache.pop(next(iter(self._records_cache)))
             self._records_cache[key] = records
         return records
+
+
+def read_listed(store: Store, step: int, rel: str, record: CommitRecord, *, n_inner: int | None = None) -> bytes:
+    """A file of a committed step, checked against its commit record: size, and the crc32c of a
+    document or (given the shard's number of inner chunks, ``n_inner``) a shard's digest."""
+    key = f"{step_prefix(step)}/{rel}"
+    if rel not in record.files:
+        raise MissingShardError(f"{key} is not listed in the commit record of step {step}", file=key)
+    size, crc = record.files[rel]
+    actual = store.size(key)  # compared before anything is read: a record's size may lie
+    if actual is None:
+        raise MissingShardError(f"{key} is missing", file=key)
+    if actual != size:
+        raise ShardSizeError(f"{key} is {actual} bytes, the commit record says {size}", file=key)
+    try:
+        data = store.read_bounded(key, size)  # never more than the record says: a file may grow
+    except (FileNotFoundError, NotADirectoryError):
+        raise MissingShardError(f"{key} is missing", file=key) from None
+    except LimitExceededError:
+        raise ShardSizeError(f"{key} is larger than the {size} bytes the commit record says", file=key) from None
+    if len(data) != size:
+        raise ShardSizeError(f"{key} is {len(data)} bytes, the commit record says {size}", file=key)
+    if n_inner is not None:
+        if file_digest(data, n_inner, verify=True, where=key) != crc:
+            raise ChecksumError(f"{key} does not hold the chunks its commit record names (digest differs)",
+                                file=key)
+    elif _native.crc32c(data) != crc:
+        raise ChecksumError(f"{key} fails its crc32c", file=key)
+    return data

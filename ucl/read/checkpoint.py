@@ -71,7 +71,7 @@ class Checkpoint:
         self.record = record
         self.meta = meta
         self.options = options
-        self._files = step_files(repo.store, step, record, options)
+        self._files = step_files(repo.store, step, record, options, format_version=meta.format_version)
         self._pool: ThreadPoolExecutor | None = None
         self._chain_steps: dict[int, tuple[StepMeta, StepFiles]] = {step: (meta, self._files)}
         self._chain: Any = None
@@ -260,7 +260,9 @@ class Checkpoint:
 
     # -- reading -----------------------------------------------------------------------------------
     def check_listed(self, meta: ArrayMeta, start: tuple[int, ...], shape: tuple[int, ...]) -> None:
-        """Every shard a box needs is in the commit record: checked before anything is allocated (spec §8.4)."""
+        """Every shard a box needs is in the commit record, and the array's entry says what its document
+        says: checked before anything is allocated (spec §8.4, §5.1)."""
+        self._files.confirm(meta)
         if meta.delta is not None or not all(shape):
             return
         ranges = [range(a // c, -(-(a + n) // c)) for a, n, c in zip(start, shape, meta.chunk_shape, strict=True)]
@@ -314,7 +316,9 @@ class Checkpoint:
     def _step_source(self, step: int) -> tuple[StepMeta, StepFiles]:
         if step not in self._chain_steps:
             record = self.repo.commit_record(step)
-            self._chain_steps[step] = (self.repo.step_meta(step, record), step_files(self.repo.store, step, record, self.options))
+            meta = self.repo.step_meta(step, record)
+            files = step_files(self.repo.store, step, record, self.options, format_version=meta.format_version)
+            self._chain_steps[step] = (meta, files)
         return self._chain_steps[step]
 
     def load(self, *, flat: bool = False) -> Any:

@@ -25,9 +25,11 @@ from ucl.errors import (
     StepRemovedError,
     UCLError,
 )
+from ucl.format import metadata
 from ucl.format.metadata import ArrayMeta, CommitRecord
-from ucl.format.repository import commit_key, step_prefix
+from ucl.format.repository import commit_key, read_listed, step_prefix
 from ucl.format.shardfile import index_nbytes, parse_index
+from ucl.io import native as _native
 from ucl.io.ranges import ALIGN, Lease, RangeReader, open_regular
 from ucl.io.stores.base import Store
 from ucl.options import DEFAULT_READ, ReadOptions
@@ -41,11 +43,14 @@ class StepFiles:
     step: int
     record: CommitRecord
     ranges: RangeReader = field(default_factory=RangeReader)
+    format_version: int = metadata.FORMAT_VERSION  # the step document's: what its array documents hold
     small_shard_bytes: int = 128 << 10  # a small shard a read needs whole is read in one request
     segment_buffer_bytes: int = 0  # the buffer of an O_DIRECT segment of a plain read (read_direct)
     indexes: dict[tuple[str, tuple[int, ...]], np.ndarray] = field(default_factory=dict)
     bytes_read: int = 0
     small: dict[str, memoryview] = field(default_factory=dict)  # whole small shards read with their index
+    documents_read: int = 0  # array documents read to confirm a consolidated entry (see confirm)
+    _confirmed: set[str] = field(default_factory=set)
     _paths: dict[str, str] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -57,8 +62,30 @@ class StepFiles:
         with self._lock:
             self.bytes_read += n
 
+    def confirm(self, meta: ArrayMeta) -> None:
+        """The consolidated entry ``meta`` says what the array's own document says, once per array
+        (spec/core.md §5.1): a step whose document lies about a shape, dtype or codec while every
+        array document holds the truth is ``inconsistent_metadata``, never read as the lie says. The
+        entry serialized as a writer writes it has the commit record's size and crc32c: confirmed
+        without a read (every step ucl writes); else the document is read, verified and compared."""
+        if meta.name in self._confirmed:
+            return
+        rel = f"{meta.key}/zarr.json"
+        listed = self.record.files.get(rel)
+        if listed is not None:  # a version 2 delta array has no document (spec/delta.md §3.2)
+            text = metadata.array_document(meta, self.format_version)
+            if (len(text), _native.crc32c(text)) != tuple(listed):
+                raw = read_listed(self.store, self.step, rel, self.record)
+                with self._lock:
+                    self.documents_read += 1
+                metadata.check_array_document(raw, meta, self.format_version, f"{self.prefix}/{rel}")
+        with self._lock:
+            self._confirmed.add(meta.name)
+
     def shard(self, meta: ArrayMeta, coords: tuple[int, ...]) -> tuple[str, int]:
-        """(key, recorded size) of a shard; MissingShardError when the commit record does not list it."""
+        """(key, recorded size) of a shard, its array's entry confirmed; MissingShardError when the
+        commit record does not list it."""
+        self.confirm(meta)
         rel = meta.shard_key(coords)
         if rel not in self.record.files:
             raise MissingShardError(f"shard {self.prefix}/{rel} of tensor {meta.name!r} is not in the commit record "
@@ -201,11 +228,12 @@ class StepFiles:
             os.close(fd)
 
 
-def step_files(store: Store, step: int, record: CommitRecord, options: ReadOptions = DEFAULT_READ) -> StepFiles:
-    """The files of a committed step, read as ``options`` say."""
+def step_files(store: Store, step: int, record: CommitRecord, options: ReadOptions = DEFAULT_READ, *,
+               format_version: int = metadata.FORMAT_VERSION) -> StepFiles:
+    """The files of a committed step (whose document is of ``format_version``), read as ``options`` say."""
     ranges = RangeReader(direct=options.direct, direct_min_bytes=options.direct_min_bytes)
     # a segment's aligned span and the buffer's own alignment: one buffer size for every segment
-    return StepFiles(store, step, record, ranges, small_shard_bytes=options.small_shard_bytes,
+    return StepFiles(store, step, record, ranges, format_version, small_shard_bytes=options.small_shard_bytes,
                      segment_buffer_bytes=options.segment_bytes + 3 * ALIGN)
 
 

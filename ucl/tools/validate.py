@@ -12,7 +12,7 @@ import itertools
 import logging
 import math
 import struct
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ucl.delta import codec as delta_codec
@@ -178,7 +178,7 @@ def _validate_step(repo: Repository, step: int, report: Report, checksums: bool,
     except UCLError as e:
         report.add(e, step)
         return
-    files = step_files(repo.store, step, record, options)
+    files = step_files(repo.store, step, record, options, format_version=meta.format_version)
     # the logical records and the step's layout and mesh (spec/layout.md §6.6, §6.8); none for plain steps
     for e in check_layout_step({n: spec_for_meta(a) for n, a in meta.arrays.items()}, meta.layout, meta.mesh):
         report.add(e, step)
@@ -253,18 +253,7 @@ def _group_docs(meta: StepMeta) -> set[str]:
 def _check_array_doc(repo: Repository, step: int, record: CommitRecord, meta: StepMeta, arr: ArrayMeta) -> None:
     rel = f"{arr.key}/zarr.json"
     raw = repo.read_verified(step, rel, record)
-    what = f"{repo.url}/{step_prefix(step)}/{rel}"
-    doc = metadata.loads(raw, what)
-    on_disk = ArrayMeta.from_dict(doc, what)
-    if meta.format_version >= 2:  # its record is in the step document (spec/layout.md §6.3)
-        if on_disk.logical is not None:
-            raise SchemaError(f"{what}: the array document of a version {meta.format_version} step holds no "
-                              "logical record (it is in the step document's attributes.ucl.logical)",
-                              tensor=arr.name, file=what)
-        arr = replace(arr, logical=None)
-    if on_disk != arr:
-        raise InconsistentMetadataError(f"{what} differs from the step's consolidated metadata", tensor=arr.name,
-                                        file=what)
+    metadata.check_array_document(raw, arr, meta.format_version, f"{repo.url}/{step_prefix(step)}/{rel}")
 
 
 def _check_shard(repo: Repository, files: StepFiles, record: CommitRecord, arr: ArrayMeta, coords: tuple[int, ...],
