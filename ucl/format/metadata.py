@@ -7,9 +7,13 @@ allocated or read on the strength of a value that has not been checked.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import math
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from functools import cache
@@ -70,6 +74,38 @@ def loads(data: bytes, what: str) -> Any:
         raise LimitExceededError(f"{what} nests too deeply", file=what) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise SchemaError(f"{what} is not valid JSON: {e}", file=what) from None
+
+
+_gc_lock = threading.Lock()
+_gc_depth = 0
+_gc_was_enabled = False
+
+
+@contextmanager
+def acyclic() -> Iterator[None]:
+    """Pause the cycle collector while documents are parsed into objects that form no cycles (JSON
+    trees, records, frozen dataclasses): it would only walk them. Each parse allocates tens of
+    thousands of containers, which trigger collections; in a fresh process after ``import torch`` the
+    first of them is a full one over torch's objects (~100 ms here, most of a cold ``ucl.open``): a
+    collection that the process owes its imports, not the parse, and that the next allocations of the
+    program start wherever they are. Nested and threaded uses share one pause; the collector is
+    re-enabled only if it was enabled before."""
+    global _gc_depth, _gc_was_enabled
+    with _gc_lock:
+        if _gc_depth == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_depth += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_depth -= 1
+            if _gc_depth == 0 and _gc_was_enabled:
+                # the new objects are young: a collection of the youngest generation moves them on as
+                # the collector's own first pass would have, without starting an older one here
+                gc.collect(0)
+                gc.enable()
 
 
 def dumps(doc: Any) -> bytes:

@@ -140,7 +140,8 @@ class Repository:
                 raise StepNotCommittedError(f"step {step} in {self.url} has files but no commit record: it was never "
                                             "committed", file=key) from None
             raise CheckpointNotFoundError(f"step {step} does not exist in {self.url}", file=key) from None
-        return CommitRecord.from_bytes(raw, f"{self.url}/{key}", step)
+        with metadata.acyclic():
+            return CommitRecord.from_bytes(raw, f"{self.url}/{key}", step)
 
     def read_document(self, key: str) -> bytes:
         """A metadata document that no record sizes: refused unread when larger than the spec's limit
@@ -156,10 +157,11 @@ class Repository:
         records from its parent (``logical: {"from": P}``, spec/layout.md §6.9) comes with them: the
         parents are read up to the step that holds them (resolved records are kept for the next call)."""
         record = record or self.commit_record(step)
-        meta = self._step_document(step, record)
-        if meta.logical_from is None:
-            return meta
-        return meta.with_records(self._records_of(meta.logical_from, step))
+        with metadata.acyclic():
+            meta = self._step_document(step, record)
+            if meta.logical_from is None:
+                return meta
+            return meta.with_records(self._records_of(meta.logical_from, step))
 
     def _step_document(self, step: int, record: CommitRecord) -> StepMeta:
         raw = self.read_verified(step, "zarr.json", record)
