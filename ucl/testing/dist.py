@@ -13,6 +13,8 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from typing import Any
 
 
@@ -23,35 +25,86 @@ def free_port() -> int:
 
 
 def run(world: int, target: str, kwargs: dict[str, Any], timeout: float = 240.0,
-        expect_fail: bool = False) -> list[Any]:
+        expect_fail: bool = False, grace: float = 30.0) -> list[Any]:
+    """Each rank's result, by rank (None for a rank that failed, with ``expect_fail``).
+
+    Each rank's output goes to a file (never a pipe: a rank filling a pipe nobody reads would block in
+    a collective and hang the others). When a rank fails, the others get ``grace`` seconds to finish
+    (they may be waiting for it in a collective), then are killed. A rank still running at ``timeout``
+    has printed every thread's stack (faulthandler, a few seconds earlier); every rank's stderr is in
+    the error raised.
+    """
     port = free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-m", "ucl.testing.dist", target, json.dumps(kwargs)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results: list[Any] = []
-    errors = []
-    for rank, p in enumerate(procs):
+    procs: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory(prefix="ucl-dist-") as logs:
+        outs = [open(os.path.join(logs, f"{r}.out"), "w+b") for r in range(world)]  # noqa: SIM115
+        errs = [open(os.path.join(logs, f"{r}.err"), "w+b") for r in range(world)]  # noqa: SIM115
         try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise TimeoutError(f"rank {rank} of {target} did not finish in {timeout} s") from None
-        if p.returncode != 0:
-            errors.append(f"--- rank {rank} exited {p.returncode}\n{err[-4000:]}")
-            results.append(None)
-        else:
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    if errors and not expect_fail:
-        raise RuntimeError(f"{target} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
-    return results
+            for rank in range(world):
+                env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                           UCL_DIST_STACKS_AFTER=str(max(1.0, timeout - 5.0)))
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "ucl.testing.dist", target, json.dumps(kwargs)], env=env,
+                    stdin=subprocess.DEVNULL, stdout=outs[rank], stderr=errs[rank]))
+            hung = _wait(procs, time.monotonic() + timeout, None if expect_fail else grace)
+
+            def tail(rank: int) -> str:
+                errs[rank].seek(0)
+                return errs[rank].read().decode(errors="replace")[-4000:]
+
+            if hung:
+                state = {r: "running" if r in hung else f"exited {procs[r].returncode}" for r in range(world)}
+                report = "\n".join(f"--- rank {r} ({state[r]})\n{tail(r)}" for r in range(world))
+                raise TimeoutError(f"rank(s) {hung} of {target} did not finish in {timeout} s:\n{report}")
+            results: list[Any] = []
+            errors = []
+            for rank, p in enumerate(procs):
+                if p.returncode != 0:
+                    errors.append(f"--- rank {rank} exited {p.returncode}\n{tail(rank)}")
+                    results.append(None)
+                else:
+                    outs[rank].seek(0)
+                    results.append(json.loads(outs[rank].read().decode().strip().splitlines()[-1]))
+            if errors and not expect_fail:
+                raise RuntimeError(f"{target} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
+            return results
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+            for f in outs + errs:
+                f.close()
+
+
+def _wait(procs: list[subprocess.Popen[bytes]], deadline: float, grace: float | None) -> list[int]:
+    """Wait for every process until ``deadline`` (or, once one has failed and ``grace`` is given, until
+    ``grace`` seconds after that); the ranks still running then, killed."""
+    failed_at = None
+    while True:
+        codes = [p.poll() for p in procs]
+        running = [r for r, c in enumerate(codes) if c is None]
+        if not running:
+            return []
+        now = time.monotonic()
+        if failed_at is None and grace is not None and any(c not in (None, 0) for c in codes):
+            failed_at = now
+        if now >= deadline or (failed_at is not None and now - failed_at >= grace):
+            for r in running:
+                procs[r].kill()
+            # a failed rank explains the others: they were waiting for it, report them as failed too
+            return running if failed_at is None else []
+        time.sleep(0.05)
 
 
 def _main() -> None:
+    import faulthandler
+
     import torch.distributed as dist
+
+    # a rank that hangs prints where every thread is before the parent kills it (run's error shows it)
+    faulthandler.dump_traceback_later(float(os.environ.get("UCL_DIST_STACKS_AFTER", "235")), exit=False)
 
     target, kwargs = sys.argv[1], json.loads(sys.argv[2])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -1,0 +1,34 @@
+"""ucl.testing.dist.run: a failed or hung rank is reported at once, with what it printed."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ucl.testing import dist
+
+CASES = "tests.testing.dist_cases"
+
+
+def test_output_larger_than_a_pipe_does_not_block_the_ranks() -> None:
+    assert dist.run(3, f"{CASES}:chatty", {}, timeout=120) == [0, 10, 20]
+
+
+def test_a_failed_rank_ends_the_run_after_the_grace_period_naming_its_error() -> None:
+    t = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        dist.run(3, f"{CASES}:fail_one", {}, timeout=200, grace=2.0)
+    assert time.monotonic() - t < 100  # not the timeout: the others were killed after the grace period
+    assert "rank 1 broke on purpose" in str(err.value)
+    assert "--- rank 0 exited" in str(err.value) and "--- rank 2 exited" in str(err.value)
+
+
+def test_a_hung_rank_prints_its_stack_before_it_is_killed() -> None:
+    with pytest.raises(TimeoutError) as err:
+        dist.run(2, f"{CASES}:hang_one", {}, timeout=15)
+    msg = str(err.value)
+    assert "rank(s) [0, 1] of tests.testing.dist_cases:hang_one did not finish in 15 s" in msg
+    rank0, rank1 = msg.split("--- rank 0 (running)")[1].split("--- rank 1 (running)")
+    assert "in barrier" in rank0  # faulthandler's stack: rank 0 waits for rank 1 in the runner's barrier
+    assert "in hang_one" in rank1 and "x" * 1000 in rank1  # where rank 1 is, after what it printed
