@@ -90,7 +90,7 @@ def _wait(procs: list[subprocess.Popen[bytes]], deadline: float, grace: float | 
         now = time.monotonic()
         if failed_at is None and grace is not None and any(c not in (None, 0) for c in codes):
             failed_at = now
-        if now >= deadline or (failed_at is not None and now - failed_at >= grace):
+        if now >= deadline or (failed_at is not None and grace is not None and now - failed_at >= grace):
             for r in running:
                 procs[r].kill()
             # a failed rank explains the others: they were waiting for it, report them as failed too
