@@ -108,6 +108,10 @@ class WriteOptions:
     staging_threads
         Threads of a manager that touch its staging memory's fresh pages in the background, while
         training runs (:mod:`ucl.write.staging`; two fault pages in ~1.7x faster than one here).
+    stream_bytes
+        A manager hands a full step's staged state to its writer threads in batches of about this many
+        bytes as the copy goes, so that the writes overlap the copy (0: once the whole state is
+        staged). Delta steps, gradient records and composite steps are staged whole first.
     format_version
         The format version of the steps :func:`ucl.save` and :func:`ucl.save_sharded` write: 2, or 1
         for readers of version 1 only (spec/core.md §9 item 5: each logical record in its array's
@@ -118,9 +122,12 @@ class WriteOptions:
     inner_chunk_bytes: int = 4 << 20
     commit_threads: int = 16
     staging_threads: int = 2
+    stream_bytes: int = 64 << 20
     format_version: int = 2
 
     def __post_init__(self) -> None:
+        if self.stream_bytes < 0:
+            raise ValueError(f"stream_bytes must be >= 0, got {self.stream_bytes!r}")
         if self.format_version not in (1, 2):
             raise ValueError(f"format_version must be 1 or 2, got {self.format_version!r}")
 

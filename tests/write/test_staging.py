@@ -302,3 +302,64 @@ def test_pinned_slots_are_allocated_by_the_preparer_and_stage_cuda_tensors(tmp_p
         mgr.save(0, sd).result()
     for p in (tmp_path, tmp_path / "race"):
         assert_bits(ucl.load(p, 0, flat=True), {k: v.cpu() for k, v in sd.items()})
+
+
+# -- streaming: a full step's batches reach the persister as they are copied ---------------------------
+def test_stage_batches_yields_consecutive_batches_of_the_state_bit_exact() -> None:
+    tensors = flat(state())
+    staging = stg.Staging(None, 2)
+    slot = staging.acquire(stg.footprint(tensors))
+    sizes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
+    batches = list(staging.stage_batches(slot, tensors, 200_000))
+    # consecutive, in order, each closed once it holds 200,000 bytes (or at the end), the last flagged
+    assert [n for b, _ in batches for n in b] == list(tensors)
+    assert [last for _, last in batches] == [False] * (len(batches) - 1) + [True]
+    assert len(batches) == 3  # w (614,400 B) | b, i, exp_avg (>= 200,000 B) | step, empty, flag
+    for b, _ in batches[:-1]:
+        assert sum(sizes[n] for n in b) >= 200_000 and sum(sizes[n] for n in list(b)[:-1]) < 200_000
+    staged = {n: t for b, _ in batches for n, t in b.items()}
+    assert_bits(staged, tensors)
+    start, end = slot.arena.data_ptr(), slot.arena.data_ptr() + slot.nbytes
+    assert all(start <= t.data_ptr() < end for t in staged.values() if t.numel())  # copies in the slot
+    assert staging.stage(slot, tensors).keys() == tensors.keys()  # one batch: stage() as before
+    staging.release(slot)
+    staging.close()
+
+
+@pytest.mark.parametrize("stream", [1, 100_000, 0])
+def test_a_streamed_full_step_round_trips_and_validates(tmp_path, stream: int) -> None:
+    opts = WriteOptions(stream_bytes=stream)
+    with CheckpointManager(tmp_path, options=opts) as mgr:
+        for step in range(3):
+            mgr.save(step, state(step))
+        mgr.wait()
+    for step in range(3):
+        assert_bits(flat(ucl.load(tmp_path, step=step)), flat(state(step)))
+    assert ucl.validate(tmp_path).ok
+
+
+class _Boom(torch.Tensor):
+    """A tensor whose staging copy fails (its detach raises): a save that fails half way through the copy."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.Tensor.detach:
+            raise RuntimeError("device lost during the copy")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_copy_failing_after_batches_were_queued_fails_the_step_and_frees_the_slot(tmp_path) -> None:
+    sd = state(0)
+    sd["z_last"] = torch.randn(64, 64).as_subclass(_Boom)  # copied last, after batches went out
+    mgr = CheckpointManager(tmp_path, options=WriteOptions(stream_bytes=1))
+    mgr.save(0, state(0)).result()
+    with pytest.raises(RuntimeError, match="device lost during the copy"):
+        mgr.save(1, sd)
+    mgr.save(2, state(2)).result(timeout=60)
+    # the failed step's slot was released once the batches queued in it were written: no slot is held
+    assert len(mgr._staging.slots) == 2 and not any(s.busy for s in mgr._staging.slots)
+    with pytest.raises(RuntimeError, match="device lost during the copy"):
+        mgr.close()  # the failed step's handle reports it, as any failed save's does
+    assert ucl.Repository.open(tmp_path).steps() == [0, 2]
+    assert_bits(flat(ucl.load(tmp_path, step=2)), flat(state(2)))
+    assert ucl.validate(tmp_path).ok

@@ -304,6 +304,7 @@ class CheckpointManager:
                                 options.inner_chunk_bytes)
         self._staging = Staging(staging_bytes, 3 if delta is not None else 2, eager=prepare is not False,
                                 threads=options.staging_threads)
+        self._stream_bytes = options.stream_bytes or None
         self._kinds = StepKinds(delta, self._staging, self._ctl, self.rank, self.world, options.inner_chunk_bytes)
         self._shards = ShardWriter(self.repo, self.rank, writer_threads, direct, options.format_version)
         self._drain: Drain | None = None
@@ -505,6 +506,10 @@ class CheckpointManager:
         self._pending.append(handle)
         grad_job = None
         staged_bytes = 0  # for the log
+        # a full step's state goes to the persister in batches as it is copied, so its writes overlap the
+        # copy (a delta's base, gradients and composite groups need the whole state staged first)
+        batch = self._stream_bytes if self.delta is None and grads is None and groups is None else None
+        queued = False  # a piece of this step is on the queue
         for i, piece in enumerate(pieces):
             stage = {s: tensors[s] for s in piece}
             if grads is not None:  # one piece (delta mode stages whole states): the gradients go with it
@@ -513,23 +518,31 @@ class CheckpointManager:
                     stage = {s: t for s, t in stage.items() if s not in replayed}
                 stage.update(grads[1])
             slot = self._staging.acquire(footprint(stage))
+            in_slot = False  # a batch in this slot is queued: the persister releases it
             try:
-                staged = self._staging.stage(slot, stage)
-                staged_bytes += sum(t.nbytes for t in staged.values())
-                if grads is not None:
-                    grad_job = replace(grads[0], staged={n: staged.pop(n) for n in grads[1]}, only=only)
+                for staged, last in self._staging.stage_batches(slot, stage, batch):
+                    staged_bytes += sum(t.nbytes for t in staged.values())
+                    if grads is not None:
+                        grad_job = replace(grads[0], staged={n: staged.pop(n) for n in grads[1]}, only=only)
+                    pset = set(staged)
+                    sub = replace(plan, writes=[w for w in plan.writes if w.source in pset])
+                    # the slot goes with the slot's last batch: released after every batch in it is written
+                    self._queue.put(Job(step, sub, tree, staged, slot if last else None, future,
+                                        last_piece=last and i == len(pieces) - 1, plan_key=id(plan),
+                                        grad=grad_job, groups=groups))
+                    queued = in_slot = True
             except BaseException as e:
-                self._staging.release(slot)
-                if i == 0:  # nothing queued yet: this save simply fails
+                if not queued:  # nothing queued yet: this save simply fails
+                    self._staging.release(slot)
                     self._pending.remove(handle)
                     raise
-                # earlier pieces are queued: fail the step through its last piece
-                self._queue.put(Job(step, replace(plan, writes=[]), tree, {}, None, future, error=e))
+                # earlier pieces are queued: fail the step through its last piece, which releases the
+                # slot once the batches queued in it are written (they read from it)
+                self._queue.put(Job(step, replace(plan, writes=[]), tree, {}, slot if in_slot else None,
+                                    future, error=e))
+                if not in_slot:
+                    self._staging.release(slot)
                 raise
-            pset = set(piece)
-            sub = replace(plan, writes=[w for w in plan.writes if w.source in pset])
-            self._queue.put(Job(step, sub, tree, staged, slot, future, last_piece=i == len(pieces) - 1,
-                                plan_key=id(plan), grad=grad_job, groups=groups))
         self._kinds.saved(step, optimizer)
         self._last_step = step
         handle.staged_s = time.perf_counter() - t0

@@ -24,6 +24,7 @@ import mmap
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -386,28 +387,51 @@ class Staging:
         pages are not all touched yet, the copy faults them from the bottom while the preparer touches them
         from the top.
         """
+        staged: dict[str, torch.Tensor] = {}
+        for part, _ in self.stage_batches(slot, tensors, None):
+            staged.update(part)
+        return staged
+
+    def stage_batches(self, slot: StagingSlot, tensors: dict[str, torch.Tensor],
+                      batch_bytes: int | None) -> Iterator[tuple[dict[str, torch.Tensor], bool]]:
+        """:meth:`stage`, one batch of consecutive tensors of about ``batch_bytes`` at a time (None: all
+        of them): yields each batch's staged copies, and whether it is the last, as soon as it is copied
+        (its device-to-host copy done), so the persister can write it while the next one is copied."""
         with self._free:
             self._copying += 1  # the preparers pause (after their current chunk) until the copy is done
         try:
-            return self._stage(slot, tensors)
+            slot.materialize()  # pinned: allocated now, or the preparer's allocation awaited
+            racing = not slot.prepared  # a preparer's chunk in flight below the copy is waited for
+            cuda = any(t.is_cuda for t in tensors.values())
+            if cuda and self._cuda_stream is None:
+                self._cuda_stream = torch.cuda.Stream()
+            offset = 0
+            batch: list[tuple[str, torch.Tensor]] = []
+            size = 0
+            items = list(tensors.items())
+            for i, (name, t) in enumerate(items):
+                batch.append((name, t))
+                size += t.numel() * t.element_size()
+                if i + 1 < len(items) and (batch_bytes is None or size < batch_bytes):
+                    continue
+                staged, offset = self._copy(slot, batch, offset, racing, cuda)
+                batch, size = [], 0
+                yield staged, i + 1 == len(items)
+            if not items:
+                yield {}, True
         finally:
             with self._free:
                 self._copying = max(0, self._copying - 1)
                 self._start()  # the other slots (and what is left of this one) in the background
 
-    def _stage(self, slot: StagingSlot, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _copy(self, slot: StagingSlot, batch: list[tuple[str, torch.Tensor]], offset: int, racing: bool,
+              cuda: bool) -> tuple[dict[str, torch.Tensor], int]:
         staged: dict[str, torch.Tensor] = {}
-        offset = 0
-        slot.materialize()  # pinned: allocated now, or the preparer's allocation awaited
-        racing = not slot.prepared  # a preparer's chunk in flight below the copy is waited for
-        cuda = any(t.is_cuda for t in tensors.values())
-        if cuda and self._cuda_stream is None:
-            self._cuda_stream = torch.cuda.Stream()
         ctx = torch.cuda.stream(self._cuda_stream) if cuda else contextlib.nullcontext()
         if cuda:
             self._cuda_stream.wait_stream(torch.cuda.current_stream())
         with torch.no_grad(), ctx:
-            for name, t in tensors.items():
+            for name, t in batch:
                 n = t.numel() * t.element_size()
                 if racing:
                     slot.reserve(offset + n)
@@ -417,4 +441,4 @@ class Staging:
                 offset += aligned(n)
         if cuda:
             self._cuda_stream.synchronize()  # training waits only for the device-to-host copy
-        return staged
+        return staged, offset
