@@ -109,9 +109,12 @@ class WriteOptions:
         Threads of a manager that touch its staging memory's fresh pages in the background, while
         training runs (:mod:`ucl.write.staging`; two fault pages in ~1.7x faster than one here).
     stream_bytes
-        A manager hands a full step's staged state to its writer threads in batches of about this many
-        bytes as the copy goes, so that the writes overlap the copy (0: once the whole state is
-        staged). Delta steps, gradient records and composite steps are staged whole first.
+        When positive, a manager hands a full step's staged state to its writer threads in batches of
+        about this many bytes as the copy goes, so that the writes overlap the copy; 0 (default): once
+        the whole state is staged. Off by default: on a 2-core CPU host the writer's checksums then
+        compete with the copy (``bench/peers.py --size gpt2``: blocked 0.25 -> 0.43 s for durable
+        1.33 -> 1.28 s); where the copy is a device-to-host DMA the cores are free for the writer.
+        Delta steps, gradient records and composite steps are always staged whole first.
     format_version
         The format version of the steps :func:`ucl.save` and :func:`ucl.save_sharded` write: 2, or 1
         for readers of version 1 only (spec/core.md §9 item 5: each logical record in its array's
@@ -122,7 +125,7 @@ class WriteOptions:
     inner_chunk_bytes: int = 4 << 20
     commit_threads: int = 16
     staging_threads: int = 2
-    stream_bytes: int = 64 << 20
+    stream_bytes: int = 0
     format_version: int = 2
 
     def __post_init__(self) -> None:
