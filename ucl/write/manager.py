@@ -524,7 +524,8 @@ class CheckpointManager:
                     staged_bytes += sum(t.nbytes for t in staged.values())
                     if grads is not None:
                         grad_job = replace(grads[0], staged={n: staged.pop(n) for n in grads[1]}, only=only)
-                    pset = set(staged)
+                    # whole: every write of the piece (gradient records leave some sources unstaged)
+                    pset = set(piece) if batch is None else set(staged)
                     sub = replace(plan, writes=[w for w in plan.writes if w.source in pset])
                     # the slot goes with the slot's last batch: released after every batch in it is written
                     self._queue.put(Job(step, sub, tree, staged, slot if last else None, future,
