@@ -93,7 +93,9 @@ class Adapter(ABC):
 
     @abstractmethod
     def open(self, path: str, step: int | None) -> tuple[int, list[str]]:
-        """Open ``step`` (the latest when None): (the step opened, its tensor names)."""
+        """Open ``step`` (the latest when None) and learn every tensor's shape and data type (so a reader
+        that checks an array's entry at its first use, spec/core.md §10.2 item 5, checks them all):
+        (the step opened, its tensor names)."""
 
     @abstractmethod
     def read(self, path: str, step: int | None, tensor: str, box: list[list[int]] | None) -> ReadResult:
@@ -134,6 +136,7 @@ class UclAdapter(Adapter):
         import ucl
 
         with ucl.open(path, step) as ckpt:
+            dict(ckpt.meta.arrays)  # every entry checked (ucl.open checks each at its first use)
             return ckpt.step, list(ckpt.keys())
 
     def read(self, path: str, step: int | None, tensor: str, box: list[list[int]] | None) -> ReadResult:

@@ -12,7 +12,7 @@ import hashlib
 import json
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -510,57 +510,71 @@ def pack_logical(arrays: dict[str, ArrayMeta]) -> dict[str, Any] | None:
 def unpack_logical(doc: dict[str, Any], arrays: dict[str, ArrayMeta], what: str) -> dict[str, ArrayMeta]:
     """``arrays`` with the records of a step document's ``attributes.ucl.logical`` (schema-checked), each
     in the form of an array's record (spec/layout.md §6.3, ``$defs/logical_record``)."""
-    table = doc["tensors"]
+    _check_logical_table(doc, arrays, what)
+    out = dict(arrays)
+    for aname, rec in doc["records"].items():
+        arr = arrays[aname]
+        logical = _unpack_record(doc["tensors"], aname, rec, arr.dtype, what)
+        if logical is not None:
+            out[aname] = replace(arr, logical=logical)
+    return out
+
+
+def _check_logical_table(doc: dict[str, Any], arrays: Collection[str], what: str) -> None:
+    """The packed records' tensor table names each tensor once, and each record is of an array."""
     seen: set[str] = set()
-    for name, _ in table:
+    for name, _ in doc["tensors"]:
         if name in seen:
             raise InconsistentMetadataError(f"{what}: attributes.ucl.logical lists tensor {name!r} twice",
                                             tensor=name, file=what)
         seen.add(name)
-    out = dict(arrays)
-    for aname, rec in doc["records"].items():
-        arr = arrays.get(aname)
-        if arr is None:
+    for aname in doc["records"]:
+        if aname not in arrays:
             raise InconsistentMetadataError(f"{what}: attributes.ucl.logical has a record for {aname!r}, "
                                             "which is no array of the step", tensor=aname, file=what)
 
-        def entry(t: int, aname: str = aname) -> tuple[str, list[int]]:
-            if t >= len(table):
-                raise InconsistentMetadataError(f"{what}: the logical record of {aname!r} names tensor {t}; "
-                                                f"the step lists {len(table)}", tensor=aname, file=what)
-            return table[t][0], table[t][1]
 
-        tensors: dict[str, Any] = {}
-        maps: list[dict[str, Any]] = []
-        end: int | None = None  # where the previous map's view ends
-        for m in rec["maps"]:
-            name, tshape = entry(m[0])
-            if name not in tensors:
-                tensors[name] = {"shape": tshape, "dtype": arr.dtype}
-            start, shape = m[1], m[2]
-            if len(m) == 3 or type(m[3]) is int:  # a view of the box's shape, at zero
-                if len(m) == 3 and end is None:
-                    raise InconsistentMetadataError(
-                        f"{what}: map {len(maps)} of the logical record of {aname!r} continues the previous "
-                        "map's view, and the previous map has none", tensor=aname, file=what)
-                view = {"offset": end if len(m) == 3 else m[3], "shape": shape}
-                maps.append({"tensor": name, "box": [start, shape], "at": [0] * len(shape), "view": view})
-            elif len(m) == 4:
-                view = None
-                maps.append({"tensor": name, "box": [start, shape], "at": m[3]})
-            else:
-                view = {"offset": m[4], "shape": m[5]}
-                maps.append({"tensor": name, "box": [start, shape], "at": m[3], "view": view})
-            end = None if view is None else view["offset"] + math.prod(view["shape"])
-        for t in rec.get("unmapped", ()):
-            name, tshape = entry(t)
-            tensors.setdefault(name, {"shape": tshape, "dtype": arr.dtype})
-        logical: dict[str, Any] = {"tensors": tensors, "maps": maps}
-        if "partial" in rec:
-            logical["partial"] = rec["partial"]
-        if tensors:
-            out[aname] = replace(arr, logical=logical)
-    return out
+def _unpack_record(table: list[Any], aname: str, rec: dict[str, Any], dtype: str,
+                   what: str) -> dict[str, Any] | None:
+    """One array's packed record in the form of an array's record (None when it maps nothing)."""
+
+    def entry(t: int) -> tuple[str, list[int]]:
+        if t >= len(table):
+            raise InconsistentMetadataError(f"{what}: the logical record of {aname!r} names tensor {t}; "
+                                            f"the step lists {len(table)}", tensor=aname, file=what)
+        return table[t][0], table[t][1]
+
+    tensors: dict[str, Any] = {}
+    maps: list[dict[str, Any]] = []
+    end: int | None = None  # where the previous map's view ends
+    for m in rec["maps"]:
+        name, tshape = entry(m[0])
+        if name not in tensors:
+            tensors[name] = {"shape": tshape, "dtype": dtype}
+        start, shape = m[1], m[2]
+        if len(m) == 3 or type(m[3]) is int:  # a view of the box's shape, at zero
+            if len(m) == 3 and end is None:
+                raise InconsistentMetadataError(
+                    f"{what}: map {len(maps)} of the logical record of {aname!r} continues the previous "
+                    "map's view, and the previous map has none", tensor=aname, file=what)
+            view = {"offset": end if len(m) == 3 else m[3], "shape": shape}
+            maps.append({"tensor": name, "box": [start, shape], "at": [0] * len(shape), "view": view})
+        elif len(m) == 4:
+            view = None
+            maps.append({"tensor": name, "box": [start, shape], "at": m[3]})
+        else:
+            view = {"offset": m[4], "shape": m[5]}
+            maps.append({"tensor": name, "box": [start, shape], "at": m[3], "view": view})
+        end = None if view is None else view["offset"] + math.prod(view["shape"])
+    for t in rec.get("unmapped", ()):
+        name, tshape = entry(t)
+        tensors.setdefault(name, {"shape": tshape, "dtype": dtype})
+    if not tensors:
+        return None
+    logical: dict[str, Any] = {"tensors": tensors, "maps": maps}
+    if "partial" in rec:
+        logical["partial"] = rec["partial"]
+    return logical
 
 
 def _strip(codec: dict[str, Any]) -> dict[str, Any]:
@@ -568,6 +582,89 @@ def _strip(codec: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- steps -----------------------------------------------------------------------------------------
+class Arrays(Mapping[str, ArrayMeta]):
+    """A step's arrays by tensor name, each entry of the consolidated metadata parsed and checked when it
+    is first used (spec/core.md §10.2 item 5: a reader may defer an array's checks to its first use): an
+    open of a step of hundreds of tensors checks only those it reads. An entry gets every check the
+    eager parse gives it, with the same codes: its document (§10.2 item 4), its name against its key, no
+    logical record in a version 2 array document, its packed logical record (spec/layout.md §6.3), and
+    a stale array outside a composite step (spec/delta.md §9.2)."""
+
+    __slots__ = ("_nodes", "_done", "_what", "_table", "_packed", "_records")
+
+    def __init__(self, nodes: dict[str, tuple[str, Any]], what: str, packed: dict[str, Any] | None = None,
+                 records: dict[str, Any] | None = None) -> None:
+        self._nodes = nodes  # name -> (key, node)
+        self._done: dict[str, ArrayMeta] = {}
+        self._what = what
+        self._packed = packed  # attributes.ucl.logical of a version 2 step (table checked)
+        self._records = records  # the parent's records, for a step written with logical: {"from": P}
+
+    def __getitem__(self, name: str) -> ArrayMeta:
+        meta = self._done.get(name)
+        if meta is None:
+            key, node = self._nodes[name]  # KeyError: no such array
+            meta = self._done[name] = self._check(name, key, node)
+        return meta
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._nodes)
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._nodes
+
+    def _check(self, name: str, key: str, node: Any) -> ArrayMeta:
+        what = f"{self._what}: {key}"
+        meta = ArrayMeta.from_dict(node, what)
+        if meta.name != name:
+            raise InconsistentMetadataError(f"{self._what}: array at {key!r} names itself {meta.name!r}",
+                                            tensor=meta.name, file=self._what)
+        if meta.logical is not None:
+            raise SchemaError(f"{self._what}: {key}: the array document of a version 2 step holds no logical "
+                              "record (it is in the step document's attributes.ucl.logical)",
+                              tensor=name, file=self._what)
+        if meta.delta is not None and meta.delta.get("mode") == "stale":
+            raise InconsistentMetadataError(f"{self._what}: tensor {name!r} is stale, but the step has no "
+                                            f"{COMPOSITE} extension marking it approximate", tensor=name,
+                                            file=self._what)
+        if self._packed is not None and name in self._packed["records"]:
+            logical = _unpack_record(self._packed["tensors"], name, self._packed["records"][name], meta.dtype,
+                                     self._what)
+            if logical is not None:
+                meta = replace(meta, logical=logical)
+        elif self._records is not None and name in self._records:
+            meta = replace(meta, logical=self._records[name])
+        return meta
+
+    @property
+    def has_logical(self) -> bool:
+        """Whether any array has a logical record, without checking the arrays."""
+        if self._records is not None:
+            return any(self._records[n] for n in self._records if n in self._nodes)
+        if self._packed is None:
+            return False
+        return any(r.get("maps") or r.get("unmapped") for r in self._packed["records"].values())
+
+    def with_records(self, records: dict[str, Any]) -> Arrays:
+        """These arrays, each with the record of the same name in ``records`` (StepMeta.with_records)."""
+        return Arrays(self._nodes, self._what, None, records)
+
+    def check_all(self) -> None:
+        """Check every entry now (what an eager parse does at once)."""
+        for name in self._nodes:
+            self[name]
+
+
+def has_logical(arrays: Mapping[str, ArrayMeta]) -> bool:
+    """Whether any of a step's arrays has a logical record (for :class:`Arrays`, unchecked ones too)."""
+    if isinstance(arrays, Arrays):
+        return arrays.has_logical
+    return any(a.logical for a in arrays.values())
+
+
 @dataclass(frozen=True)
 class StepMeta:
     """A step's group document: attributes.ucl and the consolidated metadata of its arrays."""
@@ -575,7 +672,7 @@ class StepMeta:
     step: int
     kind: str
     tree: dict[str, Any]
-    arrays: dict[str, ArrayMeta]  # by tensor name
+    arrays: Mapping[str, ArrayMeta]  # by tensor name (an :class:`Arrays` when opened lazily)
     parent: int | None = None
     layout: dict[str, Any] | None = None
     mesh: dict[str, Any] | None = None
@@ -635,10 +732,12 @@ class StepMeta:
         }
 
     @classmethod
-    def from_dict(cls, doc: Any, what: str) -> StepMeta:
+    def from_dict(cls, doc: Any, what: str, *, lazy: bool = False) -> StepMeta:
         """A step document of version 1 or 2. A version 2 step whose records are another step's
         (``logical: {"from": P}``) comes back with ``logical_from`` set and no records in its arrays:
-        :meth:`with_records` gives them (Repository.step_meta does)."""
+        :meth:`with_records` gives them (Repository.step_meta does). ``lazy``: each array's entry is
+        checked when first used (:class:`Arrays`) in a version 2 step without the extensions whose
+        checks span its arrays (gradient records, composite); everything else is checked here."""
         version = _format_version(doc)
         if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
             raise UnsupportedVersionError(f"{what}: format version {version}; this reader knows up to {FORMAT_VERSION}", file=what)
@@ -649,6 +748,9 @@ class StepMeta:
         if version == 1 and "logical" in ucl:
             raise SchemaError(f"{what}: a version 1 step document has no attributes.ucl.logical (its records "
                               "are in the array documents)", file=what)
+        spanning = any(e.get("name") in ("ucl.gradient_records", COMPOSITE) for e in ucl.get("extensions", ()))
+        if lazy and version >= 2 and not spanning:
+            return cls._lazy(doc, ucl, what)
         arrays: dict[str, ArrayMeta] = {}
         for key, node in doc["consolidated_metadata"]["metadata"].items():
             names.from_key(key)  # every path must be a canonical escape: nothing may leave the step
@@ -685,9 +787,43 @@ class StepMeta:
                    extensions=tuple(ucl.get("extensions", ())), logical_from=logical_from,
                    format_version=version)
 
+    @classmethod
+    def _lazy(cls, doc: dict[str, Any], ucl: dict[str, Any], what: str) -> StepMeta:
+        """:meth:`from_dict` with the arrays' entries left to their first use; the checks that span the
+        step (its keys, the packed records' table, the tree, the parent) are made here."""
+        nodes: dict[str, tuple[str, Any]] = {}
+        for key, node in doc["consolidated_metadata"]["metadata"].items():
+            name = names.from_key(key)  # every path must be a canonical escape: nothing may leave the step
+            if isinstance(node, dict) and node.get("node_type") == "array":
+                nodes[name] = (key, node)
+        logical = ucl.get("logical")
+        logical_from = None
+        packed = None
+        if logical is not None and "from" in logical:
+            logical_from = logical["from"]
+            if ucl["kind"] != "delta" or logical_from != ucl.get("parent"):
+                raise InconsistentMetadataError(
+                    f"{what}: takes its logical records from step {logical_from}: only a delta step takes "
+                    "them, from its parent", file=what)
+        elif logical is not None:
+            _check_logical_table(logical, nodes, what)
+            packed = logical
+        missing = sorted(set(structure.iter_tree_tensors(ucl["tree"], what)) - set(nodes))
+        if missing:
+            raise InconsistentMetadataError(f"{what}: the structure tree names tensor {missing[0]!r}, which has "
+                                            "no array", tensor=missing[0], file=what)
+        if ucl["kind"] == "delta" and ucl.get("parent") is None:
+            raise InconsistentMetadataError(f"{what}: a delta step must name its parent", file=what)
+        return cls(step=ucl["step"], kind=ucl["kind"], tree=ucl["tree"], arrays=Arrays(nodes, what, packed),
+                   parent=ucl.get("parent"), layout=ucl.get("layout"), mesh=ucl.get("mesh"),
+                   extensions=tuple(ucl.get("extensions", ())), logical_from=logical_from,
+                   format_version=ucl["format_version"])
+
     def with_records(self, records: dict[str, Any]) -> StepMeta:
         """This step with the logical records of the step its ``logical_from`` names (spec/layout.md
         §6.9), ``records`` (array name -> record): each array takes the record of the same name."""
+        if isinstance(self.arrays, Arrays):
+            return replace(self, arrays=self.arrays.with_records(records))
         arrays = {n: replace(a, logical=records[n]) if n in records else a for n, a in self.arrays.items()}
         return replace(self, arrays=arrays)
 

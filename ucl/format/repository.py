@@ -152,21 +152,22 @@ class Repository:
         """A file of a committed step, checked against its commit record (:func:`read_listed`)."""
         return read_listed(self.store, step, rel, record, n_inner=n_inner)
 
-    def step_meta(self, step: int, record: CommitRecord | None = None) -> StepMeta:
+    def step_meta(self, step: int, record: CommitRecord | None = None, *, lazy: bool = False) -> StepMeta:
         """The step's document, checked against its commit record. A delta step that takes its logical
         records from its parent (``logical: {"from": P}``, spec/layout.md §6.9) comes with them: the
-        parents are read up to the step that holds them (resolved records are kept for the next call)."""
+        parents are read up to the step that holds them (resolved records are kept for the next call).
+        ``lazy``: each array's entry is checked when first used (:class:`ucl.format.metadata.Arrays`)."""
         record = record or self.commit_record(step)
         with metadata.acyclic():
-            meta = self._step_document(step, record)
+            meta = self._step_document(step, record, lazy=lazy)
             if meta.logical_from is None:
                 return meta
             return meta.with_records(self._records_of(meta.logical_from, step))
 
-    def _step_document(self, step: int, record: CommitRecord) -> StepMeta:
+    def _step_document(self, step: int, record: CommitRecord, *, lazy: bool = False) -> StepMeta:
         raw = self.read_verified(step, "zarr.json", record)
         what = f"{self.url}/{step_prefix(step)}/zarr.json"
-        meta = StepMeta.from_dict(metadata.loads(raw, what), what)
+        meta = StepMeta.from_dict(metadata.loads(raw, what), what, lazy=lazy)
         if meta.step != step or meta.kind != record.kind or meta.parent != record.parent:
 
             raise InconsistentMetadataError(f"{what} disagrees with the commit record of step {step} "

@@ -35,7 +35,7 @@ from ucl.errors import (
     UCLError,
 )
 from ucl.format import structure
-from ucl.format.metadata import ArrayMeta, CommitRecord, StepMeta
+from ucl.format.metadata import ArrayMeta, CommitRecord, StepMeta, has_logical
 from ucl.format.records import Composite
 from ucl.format.repository import Repository
 from ucl.format.structure import graft
@@ -77,7 +77,7 @@ class Checkpoint:
         self._chain: Any = None
         self._lock = threading.Lock()
         self._index: Any = None
-        self.layout_step = meta.layout is not None or any(a.logical for a in meta.arrays.values())
+        self.layout_step = meta.layout is not None or has_logical(meta.arrays)
         self.approximate = approximate
         self.records = meta.gradient_records  # ucl.delta.GradientRecords of a gradient-record step, or None
         self._depth = _depth
@@ -490,7 +490,7 @@ def open(path: str | os.PathLike[str] | Store, step: int | None = None, *,  # no
         step, record = found
     else:
         record = repo.commit_record(step)
-    meta = repo.step_meta(step, record)
+    meta = repo.step_meta(step, record, lazy=True)
     composite_gate(meta, approximate, repo.url)
     return Checkpoint(repo, step, record, meta, approximate=approximate, options=options)
 
