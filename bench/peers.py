@@ -334,9 +334,12 @@ def slice_child(d: str, case: str, warm: bool, drop: str) -> dict[str, Any]:
         t0 = time.perf_counter()
         import ucl.read.checkpoint  # noqa: F401
         imported = time.perf_counter() - t0
+    opened = 0.0
     with c.Meter() as m:
         if case == "ucl":
+            t0 = time.perf_counter()
             with ucl.open(p["ucl"]) as ck:
+                opened = time.perf_counter() - t0
                 b0 = ck.bytes_read
                 t = ck[name][a:b]
                 lib = ck.bytes_read - b0
@@ -362,7 +365,7 @@ def slice_child(d: str, case: str, warm: bool, drop: str) -> dict[str, Any]:
     if tuple(t.shape) != (b - a, *info["shape"][1:]) or abs(got - want) > 1e-6 * max(1.0, abs(want)):
         raise RuntimeError(f"{case}: the rows read differ from those written")
     del fp
-    return {"seconds": m.seconds, "disk": m.disk, "lib_bytes": lib, "import_s": imported}
+    return {"seconds": m.seconds, "disk": m.disk, "lib_bytes": lib, "import_s": imported, "open_s": opened}
 
 
 # == the parent ====================================================================================
@@ -603,6 +606,12 @@ def report(
         "process); loads, the C read probe over ucl's shard files " + _probe_note(loads) + ".",
     ]
     out += notes
+    opens = {t: [x["open_s"] for x in slices.get(f"ucl {t}", []) if x.get("open_s")] for t in ("cold", "warm")}
+    if any(opens.values()):
+        out += ["", "`ucl.open` alone, inside the ucl slice rows (a step of "
+                    f"{len(man['tensors'])} tensors): " + ", ".join(
+                        f"{t} {_med(v) * 1e3:.1f} ms ({min(v) * 1e3:.1f}-{max(v) * 1e3:.1f})"
+                        for t, v in opens.items() if v) + "."]
     imports = [x["import_s"] for k, v in slices.items() if k.startswith("ucl ") for x in v]
     if imports:
         out += ["", f"Not in the slice rows: ucl's read path imported by the first `ucl.open` of a process "
