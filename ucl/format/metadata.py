@@ -11,6 +11,7 @@ import gc
 import hashlib
 import json
 import math
+import re
 import threading
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
@@ -175,6 +176,12 @@ def _shipped() -> dict[tuple[str, str], Any]:
     except ImportError:
         return {}
     return shipped.ENTRIES if shipped.DIGEST == schemas_digest() else {}
+
+
+def load_checks() -> None:
+    """Load the shipped schema predicates now (their module, the digest that admits them): the read path
+    does at its import, so that a process's first ``ucl.open`` does not."""
+    _shipped()
 
 
 @cache
@@ -959,14 +966,17 @@ class CommitRecord:
                       for p, group in doc["files"].items() for r, v in group.items())
         files: dict[str, tuple[int, int]] = {}
         for k, (size, crc) in listed:
-            for seg in k.split("/"):
-                if seg in ("", ".", "..") or "\\" in seg or "\x00" in seg:
-                    raise InvalidNameError(f"commit record {what} lists a file {k[:200]!r} outside its step", file=what)
+            if _OUTSIDE.search(k):
+                raise InvalidNameError(f"commit record {what} lists a file {k[:200]!r} outside its step", file=what)
             if k in files:
                 raise CorruptCommitRecordError(f"commit record {what} lists {k[:200]!r} twice", file=what)
             files[k] = (size, crc)
         return cls(step=doc["step"], kind=doc["kind"], files=files, parent=doc.get("parent"),
                    time=doc["time"], version=doc["ucl_commit"])
+
+
+#: A path with an empty, "." or ".." segment, a backslash or a NUL: not a file inside its step.
+_OUTSIDE = re.compile(r"(?:^|/)\.{0,2}(?:/|$)|[\\\x00]")
 
 
 def _split_path(rel: str) -> tuple[str, str]:

@@ -98,7 +98,16 @@ def _from_key(key: str) -> str:
     return _from_key_checked(key)
 
 
+#: A key of plain segments (each escapes to itself) within the limits of a name: the common case, checked
+#: in one match. Anything else takes the segment-by-segment path, which names the problem.
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9._-]{1,255}(?:/[A-Za-z0-9._-]{1,255}){0,%d}" % (MAX_DEPTH - 1))
+_SPECIAL_SEGMENT = re.compile(r"(?:^|/)(?:\.\.?(?:/|$)|__)")
+
+
 def _from_key_checked(key: str) -> str:
+    if (type(key) is str and len(key) <= MAX_NAME_BYTES and _PLAIN_KEY.fullmatch(key)
+            and not _SPECIAL_SEGMENT.search(key)):
+        return key  # ASCII, no empty, ".", ".." or "__" segment, within every limit: the name is the key
     if not isinstance(key, str) or not key:
         raise InvalidNameError(f"array path {key!r} is empty or not a string")
     segments = key.split("/")

@@ -34,7 +34,7 @@ from ucl.errors import (
     TensorNotFoundError,
     UCLError,
 )
-from ucl.format import structure
+from ucl.format import metadata, structure
 from ucl.format.metadata import ArrayMeta, CommitRecord, StepMeta, has_logical
 from ucl.format.records import Composite
 from ucl.format.repository import Repository
@@ -51,6 +51,8 @@ from ucl.read.chain import ChainReader
 from ucl.read.chunks import Request
 from ucl.read.files import StepFiles, step_files
 from ucl.read.tensors import LazyTensor, LogicalTensor, ReplayedTensor, alloc
+
+metadata.load_checks()  # the schema predicates with the read path's code, not in the first open
 
 
 class Checkpoint:
