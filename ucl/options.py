@@ -60,7 +60,10 @@ class ReadOptions:
     segment_bytes
         Adjacent inner chunks of a file are read together up to this much (one task, one request).
     direct
-        O_DIRECT for cold ranges of local files (False: always buffered; see :mod:`ucl.io.ranges`).
+        O_DIRECT for cold ranges of local files read in bulk (``load``, ``load_into``, a layout or DCP
+        load), which would otherwise pass every byte through the page cache; lazy reads of a tensor or a
+        slice (``ckpt[name][rows]``) always read through the cache, so that reading those bytes again is
+        served from memory (False: always buffered; see :mod:`ucl.io.ranges`).
     direct_min_bytes
         Smaller ranges are read buffered (alignment overhead; readahead helps them).
     small_shard_bytes

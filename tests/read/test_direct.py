@@ -1,5 +1,6 @@
 """The O_DIRECT path of plain reads (ucl.io.ranges under ucl.read.boxes): same bytes, same checks, same errors
-as buffered reads."""
+as buffered reads. O_DIRECT is for bulk reads (load, load_into, layout and DCP loads: ``direct=True``); a
+lazy read of a tensor or slice reads through the page cache, so the tests here read in bulk (:func:`_bulk`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from ucl.errors import ChecksumError, ShardSizeError
 from ucl.io.pagecache import mostly_cached
 from ucl.io.ranges import RangeReader
 from ucl.options import ReadOptions, WriteOptions
+from ucl.read.chunks import Request
+from ucl.read.tensors import apply_post, normalize_index
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -29,6 +32,15 @@ def _state() -> dict[str, torch.Tensor]:
         "d": torch.rand(2049, 1025, generator=g) > 0.5,
         "z": torch.zeros(400, 1000).index_fill_(0, torch.arange(0, 400, 3), 2.5),
     }
+
+
+def _bulk(ck: ucl.Checkpoint, name: str, index: object = ...) -> torch.Tensor:
+    """``ck[name][index]`` read as a bulk read reads it (cold segments may go O_DIRECT)."""
+    lt = ck[name]
+    start, shape, post = normalize_index(index, tuple(lt.shape), name)
+    out = torch.empty(shape, dtype=lt.dtype)
+    ck.read_requests([Request(lt.meta, start, shape, out)], direct=True)
+    return apply_post(out, post)
 
 
 def _drop(root: Path) -> None:
@@ -78,20 +90,21 @@ def test_direct_reads_are_bit_exact(saved, direct, monkeypatch, segment) -> None
         with ucl.open(repo, options=opts) as ck:
             for n in names:
                 t = st[n]
-                assert torch.equal(ck[n][...], t)
+                assert torch.equal(_bulk(ck, n), t)
                 for sl in (slice(1, 2), slice(17, 1500), slice(None, None, 3), slice(-7, None)):
-                    assert torch.equal(ck[n][sl], t[sl])
+                    assert torch.equal(_bulk(ck, n, sl), t[sl])
                 if t.dim() == 2:
-                    assert torch.equal(ck[n][5:390, 7:300], t[5:390, 7:300])
+                    assert torch.equal(_bulk(ck, n, (slice(5, 390), slice(7, 300))), t[5:390, 7:300])
             out = {n: torch.empty_like(st[n]) for n in names}
             ck.load_into(out)
             assert all(torch.equal(out[n], st[n]) for n in names)
     assert direct["direct"] > 0
 
 
-def test_cold_segments_go_direct_and_warm_ones_buffered(saved, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_cold_segments_of_bulk_reads_go_direct_lazy_and_warm_ones_buffered(saved, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     root, st = saved
-    fd = os.open(root / "r" / "steps" / "0" / "a" / "c" / "0" / "0", os.O_RDONLY)
+    shard = root / "r" / "steps" / "0" / "a" / "c" / "0" / "0"
+    fd = os.open(shard, os.O_RDONLY)
     try:
         os.pread(fd, 1 << 20, 0)
         if mostly_cached(fd, 0, 1 << 20) is False:
@@ -111,15 +124,25 @@ def test_cold_segments_go_direct_and_warm_ones_buffered(saved, monkeypatch) -> N
     monkeypatch.setattr(RangeReader, "_read_direct", d)
     monkeypatch.setattr(RangeReader, "readinto", lambda self, *a: kinds.append("b") or orig_b(self, *a))
     _drop(root)
-    assert torch.equal(ucl.open(root / "r")["a"][...], st["a"])
+    assert torch.equal(_bulk(ucl.open(root / "r"), "a"), st["a"])
     assert kinds and set(kinds) == {"d"}  # cold: every segment of 'a' (6 MB) through O_DIRECT
     kinds.clear()
-    assert torch.equal(ucl.open(root / "r")["a"][...], st["a"])
+    out = {"a": torch.empty_like(st["a"])}
+    ucl.open(root / "r").load_into(out)
+    assert torch.equal(out["a"], st["a"])
     assert set(kinds) == {"d"}  # O_DIRECT left nothing in the page cache
-    (root / "r" / "steps" / "0" / "a" / "c" / "0" / "0").read_bytes()  # warm it
     kinds.clear()
-    assert torch.equal(ucl.open(root / "r")["a"][...], st["a"])
-    assert kinds and set(kinds) == {"-", "b"}  # warm: buffered
+    assert torch.equal(ucl.open(root / "r")["a"][100:2000], st["a"][100:2000])  # a lazy read, cold
+    assert kinds and set(kinds) == {"b"}  # through the page cache, which holds those bytes now
+    fd = os.open(shard, os.O_RDONLY)
+    try:
+        assert mostly_cached(fd, 100 * 513 * 4, 1800 * 513 * 4)
+    finally:
+        os.close(fd)
+    shard.read_bytes()  # warm it all
+    kinds.clear()
+    assert torch.equal(_bulk(ucl.open(root / "r"), "a"), st["a"])
+    assert kinds and set(kinds) == {"-", "b"}  # warm: buffered, bulk read or not
 
 
 @pytest.mark.parametrize("segment", [8192, 8 << 20])
@@ -131,7 +154,7 @@ def test_direct_reads_check_every_chunk(saved, direct, monkeypatch, segment, pos
     data[pos] ^= 1
     shard.write_bytes(bytes(data))
     with pytest.raises(ChecksumError, match=r"inner chunk \[\d+, 0\] of tensor 'a' fails its crc32c"):
-        ucl.open(root / "r", options=replace(ALL_DIRECT, segment_bytes=segment))["a"][...]
+        _bulk(ucl.open(root / "r", options=replace(ALL_DIRECT, segment_bytes=segment)), "a")
 
 
 def test_direct_read_of_a_truncated_shard_raises(saved, direct) -> None:  # type: ignore[no-untyped-def]
@@ -141,7 +164,7 @@ def test_direct_read_of_a_truncated_shard_raises(saved, direct) -> None:  # type
     shard = root / "r" / "steps" / "0" / "a" / "c" / "0" / "0"
     os.truncate(shard, shard.stat().st_size // 2)
     with pytest.raises(ShardSizeError, match="the shard is truncated"):
-        ck["a"][...]
+        _bulk(ck, "a")
 
 
 def test_filesystem_without_o_direct_falls_back(saved, direct, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -155,7 +178,7 @@ def test_filesystem_without_o_direct_falls_back(saved, direct, monkeypatch) -> N
 
     monkeypatch.setattr(os, "open", no_direct)
     ck = ucl.open(root / "r", options=ALL_DIRECT)
-    assert torch.equal(ck["a"][...], st["a"])
+    assert torch.equal(_bulk(ck, "a"), st["a"])
     assert not ck._files.ranges.direct and direct["direct"] == 0
 
 
@@ -198,5 +221,5 @@ def test_device_refusing_the_alignment_falls_back(saved, direct, monkeypatch) ->
 
     monkeypatch.setattr(ucl.io.ranges, "pread_direct", refuse)
     ck = ucl.open(root / "r", options=ALL_DIRECT)
-    assert torch.equal(ck["a"][...], st["a"]) and torch.equal(ck["b"][3:600], st["b"][3:600])
+    assert torch.equal(_bulk(ck, "a"), st["a"]) and torch.equal(_bulk(ck, "b", slice(3, 600)), st["b"][3:600])
     assert not ck._files.ranges.direct and direct["direct"] == 0

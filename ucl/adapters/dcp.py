@@ -614,7 +614,7 @@ class Reader(StorageReader):
 def _flush(ckpt: Checkpoint, batch: list[tuple[ReadItem, Request, torch.Tensor | None]], planner: LoadPlanner) -> None:
     if not batch:
         return
-    ckpt.read_requests([req for _, req, _ in batch])
+    ckpt.read_requests([req for _, req, _ in batch], direct=True)  # DCP loads whole states
     for item, req, dest in batch:
         if dest is not None:
             dest.copy_(req.out)

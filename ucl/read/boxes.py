@@ -9,8 +9,10 @@ A read runs in three phases over any number of (array, box, destination) request
    chunk, either read it straight into the destination or place it from a buffer; coalesce neighbouring
    chunks of a file into segments of at most ``segment_bytes``;
 3. execute the segments on the caller's pool (so data flows while later indexes are still read): read
-   each through the step's :class:`~ucl.io.ranges.RangeReader` (a cold segment with O_DIRECT into a
-   pooled buffer, checked there, then copied; others vectored straight into their destinations, checked
+   each through the step's :class:`~ucl.io.ranges.RangeReader` (a cold segment of a bulk read -- load,
+   load_into -- with O_DIRECT into a pooled buffer, checked there, then copied; others, and every
+   segment of a lazy read, which leaves its pages cached for the next read, vectored straight into
+   their destinations, checked
    after; the edge chunk of a row slice read in part: its rows in place, the rest through a small
    buffer), verify each chunk's crc32c, deliver it. Meanwhile a side thread maps the destinations' fresh
    pages (:mod:`ucl.io.prefault`).
@@ -77,10 +79,11 @@ def _deliver_also(c: ChunkRead, data: memoryview) -> None:
             d.place(data)  # type: ignore[misc]
 
 
-def _execute(files: StepFiles, group: list[ChunkRead]) -> None:
+def _execute(files: StepFiles, group: list[ChunkRead], direct: bool = True) -> None:
     """Read one segment (adjacent chunks of one file), check every chunk's crc32c, deliver it. A cold
-    segment goes to the device with O_DIRECT into a pooled buffer and is checked there before it is
-    copied anywhere; other segments are read vectored straight into their targets, then checked."""
+    segment of a bulk read (``direct``) goes to the device with O_DIRECT into a pooled buffer and is
+    checked there before it is copied anywhere; other segments are read vectored straight into their
+    targets, then checked."""
     c0 = group[0]
     want = sum(c.nbytes for c in group)
     raw = files.small.get(c0.key)
@@ -88,7 +91,7 @@ def _execute(files: StepFiles, group: list[ChunkRead]) -> None:
         _from_memory(group, raw, 0)
         return
     try:
-        lease = files.read_direct(c0.key, c0.offset, want)
+        lease = files.read_direct(c0.key, c0.offset, want) if direct else None
     except (FileNotFoundError, NotADirectoryError):
         raise files.missing(c0.key, c0.meta.name) from None
     if lease is not None:
@@ -189,20 +192,24 @@ def _read_part(files: StepFiles, c: ChunkRead) -> None:
 
 
 def read(files: StepFiles, requests: Iterable[Request], pool: Executor | None = None,
-         options: ReadOptions = DEFAULT_READ) -> None:
-    """Fill every request's ``out`` from the step (the three phases in the module docstring)."""
+         options: ReadOptions = DEFAULT_READ, *, direct: bool = True) -> None:
+    """Fill every request's ``out`` from the step (the three phases in the module docstring).
+    ``direct``: cold segments may bypass the page cache (O_DIRECT, where ``options.direct``): a bulk read
+    (a whole state) that would otherwise pass every byte through the cache; a lazy read of a tensor or a
+    slice reads through it (False), so that the next read of those bytes is served from memory."""
     requests = list(requests)
     pre = (Prefaulter.start_for((r.out.data_ptr(), r.out.nbytes) for r in requests)
            if options.prefault and pool is not None and files.store.is_local else None)
     try:
-        _read(files, requests, pool, options)
+        _read(files, requests, pool, options, direct)
     finally:
         if pre is not None:
             pre.stop()
         files.ranges.pool.trim(options.keep_buffer_bytes)
 
 
-def _read(files: StepFiles, requests: list[Request], pool: Executor | None, options: ReadOptions) -> None:
+def _read(files: StepFiles, requests: list[Request], pool: Executor | None, options: ReadOptions,
+          direct: bool) -> None:
     seg = options.segment_bytes
     live = []
     for r in requests:
@@ -217,7 +224,7 @@ def _read(files: StepFiles, requests: list[Request], pool: Executor | None, opti
                     files.index(r.meta, s, whole)
             digests: list[WholeShard] = []
             for g in segments(_plan_once(files, [r for r, _ in live], digests), seg):
-                _execute(files, g)
+                _execute(files, g, direct)
             _check_digests(files, digests)
             return
         # indexes on their own threads; the data read once every request is planned
@@ -239,7 +246,7 @@ def _read(files: StepFiles, requests: list[Request], pool: Executor | None, opti
                     else:
                         files.index(r.meta, s, whole)
             # no list of the chunks kept here: a segment's buffers go as soon as it is delivered
-            dfut += [pool.submit(_execute, files, g)
+            dfut += [pool.submit(_execute, files, g, direct)
                      for g in segments(_plan_once(files, [r for r, _ in live], digests), seg)]
             for f in dfut:
                 f.result()

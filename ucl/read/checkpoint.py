@@ -287,16 +287,18 @@ class Checkpoint:
                 gone.tensor = e.tensor
                 raise gone from e
 
-    def read_requests(self, requests: list[Request]) -> None:
+    def read_requests(self, requests: list[Request], *, direct: bool = False) -> None:
         """Fill each request's ``out`` (a box of a stored array) from the step: plain arrays through
-        :func:`ucl.read.boxes.read`, delta-encoded ones through the step's chain, as one pipeline."""
+        :func:`ucl.read.boxes.read`, delta-encoded ones through the step's chain, as one pipeline.
+        ``direct``: a bulk read (load, load_into), whose cold ranges may bypass the page cache; a lazy
+        read (the default) goes through it."""
         try:
-            self._read_requests(requests)
+            self._read_requests(requests, direct)
         except UCLError as e:
             self._unless_removed(e)
             raise
 
-    def _read_requests(self, requests: list[Request]) -> None:
+    def _read_requests(self, requests: list[Request], direct: bool) -> None:
         plain = [r for r in requests if r.meta.delta is None]
         chained = [r for r in requests if r.meta.delta is not None]
         if self._pool is None and sum(r.meta.nbytes for r in plain) > 8 << 20:
@@ -304,7 +306,7 @@ class Checkpoint:
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(self.options.threads, thread_name_prefix="ucl-read")
         if plain:
-            read(self._files, plain, self._pool, self.options)
+            read(self._files, plain, self._pool, self.options, direct=direct)
         if chained:  # delta-encoded tensors: through the step's chain (spec/delta.md §6.3), as one pipeline
             self._chain_reader().read_many(chained)
 
@@ -374,23 +376,23 @@ class Checkpoint:
         # a bar of the bytes read for a large load on a terminal (ucl.io.progress polls bytes_read)
         with progress.watch(sum(t.nbytes for t in tensors.values()), "load", lambda: self.bytes_read):
             if reqs:
-                self.read_requests(reqs)
+                self.read_requests(reqs, direct=True)
             if ops:
-                self.fill(ops)
+                self.fill(ops, direct=True)
 
-    def fill(self, ops: list[BoxCopy], buffer_bytes: int | None = None) -> None:
+    def fill(self, ops: list[BoxCopy], buffer_bytes: int | None = None, *, direct: bool = False) -> None:
         """Copy stored boxes into destination boxes (spec/layout.md copy rule: row-major order to row-major
         order), read concurrently in batches. A box that is one contiguous run of its destination is read
         straight into it; others (and partial sums) go through a temporary. Each batch holds at most
         ``buffer_bytes`` (default ``options.fill_buffer_bytes``) of temporaries and estimated decode scratch; larger
         boxes are split. Ops are applied in order (a partial sum's contribution 0 before the others)."""
         try:
-            self._fill(ops, buffer_bytes)
+            self._fill(ops, buffer_bytes, direct)
         except UCLError as e:
             self._unless_removed(e)
             raise
 
-    def _fill(self, ops: list[BoxCopy], buffer_bytes: int | None) -> None:
+    def _fill(self, ops: list[BoxCopy], buffer_bytes: int | None, direct: bool) -> None:
         budget = self.options.fill_buffer_bytes if buffer_bytes is None else max(1, buffer_bytes)
         batch: list[Request] = []
         post: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
@@ -402,7 +404,7 @@ class Checkpoint:
         def flush() -> None:
             nonlocal cost
             if batch:
-                self.read_requests(batch)
+                self.read_requests(batch, direct=direct)
             with torch.no_grad():
                 for dst, tmp, add in post:
                     src = tmp.view(dst.shape)

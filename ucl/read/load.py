@@ -309,7 +309,7 @@ def _fill(ckpt: Checkpoint, ops: list[BoxCopy], buffer_bytes: int | None) -> Non
     """``ckpt.fill``, with a bar of the bytes read on a terminal for large loads (:mod:`ucl.io.progress`:
     polled from the reader's counter, so the reads pay nothing)."""
     with progress.watch(sum(op.nbytes for op in ops), "load", lambda: ckpt.bytes_read):
-        ckpt.fill(ops, buffer_bytes)
+        ckpt.fill(ops, buffer_bytes, direct=True)
 
 
 def _some(local: Mapping[str, Any]) -> str:
