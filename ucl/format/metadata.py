@@ -774,11 +774,7 @@ class StepMeta:
         logical = ucl.get("logical")
         logical_from = None
         if logical is not None and "from" in logical:
-            logical_from = logical["from"]
-            if ucl["kind"] != "delta" or logical_from != ucl.get("parent"):
-                raise InconsistentMetadataError(
-                    f"{what}: takes its logical records from step {logical_from}: only a delta step takes "
-                    "them, from its parent", file=what)
+            logical_from = _logical_from(ucl, what)
         elif logical is not None:
             arrays = unpack_logical(logical, arrays, what)
         referenced = set(structure.iter_tree_tensors(ucl["tree"], what))
@@ -807,11 +803,7 @@ class StepMeta:
         logical_from = None
         packed = None
         if logical is not None and "from" in logical:
-            logical_from = logical["from"]
-            if ucl["kind"] != "delta" or logical_from != ucl.get("parent"):
-                raise InconsistentMetadataError(
-                    f"{what}: takes its logical records from step {logical_from}: only a delta step takes "
-                    "them, from its parent", file=what)
+            logical_from = _logical_from(ucl, what)
         elif logical is not None:
             _check_logical_table(logical, nodes, what)
             packed = logical
@@ -833,6 +825,16 @@ class StepMeta:
             return replace(self, arrays=self.arrays.with_records(records))
         arrays = {n: replace(a, logical=records[n]) if n in records else a for n, a in self.arrays.items()}
         return replace(self, arrays=arrays)
+
+
+def _logical_from(ucl: dict[str, Any], what: str) -> int:
+    """The step a delta step takes its logical records from (``logical: {"from": P}``): its parent."""
+    logical_from: int = ucl["logical"]["from"]
+    if ucl["kind"] != "delta" or logical_from != ucl.get("parent"):
+        raise InconsistentMetadataError(
+            f"{what}: takes its logical records from step {logical_from}: only a delta step takes "
+            "them, from its parent", file=what)
+    return logical_from
 
 
 def _replayed(ucl: dict[str, Any], referenced: set[str], arrays: dict[str, ArrayMeta], what: str) -> set[str]:
