@@ -597,7 +597,7 @@ class Arrays(Mapping[str, ArrayMeta]):
     logical record in a version 2 array document, its packed logical record (spec/layout.md §6.3), and
     a stale array outside a composite step (spec/delta.md §9.2)."""
 
-    __slots__ = ("_nodes", "_done", "_what", "_table", "_packed", "_records")
+    __slots__ = ("_nodes", "_done", "_what", "_packed", "_records")
 
     def __init__(self, nodes: dict[str, tuple[str, Any]], what: str, packed: dict[str, Any] | None = None,
                  records: dict[str, Any] | None = None) -> None:
@@ -624,15 +624,7 @@ class Arrays(Mapping[str, ArrayMeta]):
         return name in self._nodes
 
     def _check(self, name: str, key: str, node: Any) -> ArrayMeta:
-        what = f"{self._what}: {key}"
-        meta = ArrayMeta.from_dict(node, what)
-        if meta.name != name:
-            raise InconsistentMetadataError(f"{self._what}: array at {key!r} names itself {meta.name!r}",
-                                            tensor=meta.name, file=self._what)
-        if meta.logical is not None:
-            raise SchemaError(f"{self._what}: {key}: the array document of a version 2 step holds no logical "
-                              "record (it is in the step document's attributes.ucl.logical)",
-                              tensor=name, file=self._what)
+        meta = _entry(key, node, 2, self._what)
         if meta.delta is not None and meta.delta.get("mode") == "stale":
             raise InconsistentMetadataError(f"{self._what}: tensor {name!r} is stale, but the step has no "
                                             f"{COMPOSITE} extension marking it approximate", tensor=name,
@@ -659,10 +651,19 @@ class Arrays(Mapping[str, ArrayMeta]):
         """These arrays, each with the record of the same name in ``records`` (StepMeta.with_records)."""
         return Arrays(self._nodes, self._what, None, records)
 
-    def check_all(self) -> None:
-        """Check every entry now (what an eager parse does at once)."""
-        for name in self._nodes:
-            self[name]
+
+def _entry(key: str, node: Any, version: int, what: str) -> ArrayMeta:
+    """An array's entry of a step's consolidated metadata, checked (spec/core.md §10.2 items 4-5): its
+    document, its name against its key, and no logical record in the document of a version 2 step."""
+    meta = ArrayMeta.from_dict(node, f"{what}: {key}")
+    if meta.key != key:
+        raise InconsistentMetadataError(f"{what}: array at {key!r} names itself {meta.name!r}", tensor=meta.name,
+                                        file=what)
+    if version >= 2 and meta.logical is not None:
+        raise SchemaError(f"{what}: {key}: the array document of a version {version} step holds no logical "
+                          "record (it is in the step document's attributes.ucl.logical)",
+                          tensor=meta.name, file=what)
+    return meta
 
 
 def has_logical(arrays: Mapping[str, ArrayMeta]) -> bool:
@@ -762,14 +763,7 @@ class StepMeta:
         for key, node in doc["consolidated_metadata"]["metadata"].items():
             names.from_key(key)  # every path must be a canonical escape: nothing may leave the step
             if isinstance(node, dict) and node.get("node_type") == "array":
-                meta = ArrayMeta.from_dict(node, f"{what}: {key}")
-                if meta.key != key:
-                    raise InconsistentMetadataError(f"{what}: array at {key!r} names itself {meta.name!r}", tensor=meta.name, file=what)
-                if version >= 2 and meta.logical is not None:
-                    raise SchemaError(f"{what}: {key}: the array document of a version {version} step holds "
-                                      "no logical record (it is in the step document's "
-                                      "attributes.ucl.logical)",
-                                      tensor=meta.name, file=what)
+                meta = _entry(key, node, version, what)
                 arrays[meta.name] = meta
         logical = ucl.get("logical")
         logical_from = None
