@@ -1,5 +1,5 @@
 """ucl steps read by the newest zarr that pyproject.toml admits (zarr 3.4, which needs Python >= 3.12),
-in the Python 3.13 environment that .ci/current-zarr-env builds (`./dev test` builds it first): every
+in the Python 3.13 environment that .ci/current-zarr-env builds (`./dev test` builds it beside the tests; this test waits for it): every
 stored array of native steps, bit for bit, with ucl's bfloat16/float8 found through its entry points.
 The whole suite runs with zarr 3.1 on Python 3.11; this is the part of the claimed range it cannot run.
 """
@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -88,11 +89,28 @@ def expected_fixture(repo: Path) -> dict[Path, dict[str, list]]:
     return out
 
 
+def wait_for_builder(limit_s: float = 900.0) -> None:
+    """`./dev test` builds the environment beside the tests: while its marker names a live process, the
+    build is under way (a marker left by a killed run names a dead one and is not waited for)."""
+    marker = Path(f"{ROOT}.building")
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            pid = int(marker.read_text().strip() or 0)
+            os.kill(pid, 0)
+        except (FileNotFoundError, ValueError, ProcessLookupError):
+            return
+        time.sleep(0.5)
+    pytest.fail(f"{marker}: .ci/current-zarr-env still building after {limit_s:.0f} s")
+
+
 def read_with_current_zarr(steps: list[Path], staging: Path) -> dict:
     """Copy the steps into the environment's root (a chroot sees only its own tree), read them there."""
+    wait_for_builder()
     python = ROOT / "opt" / "venv" / "bin" / "python"
     assert python.exists(), (f"no Python 3.13 + current zarr environment at {ROOT}: `./dev test` builds it "
-                             "with .ci/current-zarr-env (needs root and Debian's and PyPI's registries)")
+                             f"with .ci/current-zarr-env (needs root and Debian's and PyPI's registries; its "
+                             f"log: {ROOT.parent / 'current-zarr-env.log'}, {ROOT}.log)")
     inside = ROOT / "tmp" / staging.name
     shutil.rmtree(inside, ignore_errors=True)
     where = []
