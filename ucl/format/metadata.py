@@ -457,7 +457,7 @@ def check_array_document(raw: bytes, arr: ArrayMeta, format_version: int, what: 
                                         file=what)
 
 
-def pack_logical(arrays: dict[str, ArrayMeta]) -> dict[str, Any] | None:
+def pack_logical(arrays: Mapping[str, ArrayMeta]) -> dict[str, Any] | None:
     """The step document's ``attributes.ucl.logical`` (spec/layout.md §6.3): every logical tensor that a
     record maps once, ``[name, shape]`` (its dtype is that of the arrays holding it), and each array's
     record as a list of maps ``[t, start, shape, at]`` (``t`` the tensor's index), a view map

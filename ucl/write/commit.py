@@ -19,6 +19,7 @@ every step stay matched across ranks even when some rank failed to write.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from time import perf_counter as clock
 from typing import Any
 
@@ -169,5 +170,5 @@ class StepCommit:
             self._records[meta.step] = records
 
 
-def _records(arrays: dict[str, Any]) -> dict[str, Any]:
+def _records(arrays: Mapping[str, Any]) -> dict[str, Any]:
     return {n: a.logical for n, a in arrays.items() if a.logical}
