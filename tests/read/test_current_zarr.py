@@ -1,6 +1,7 @@
 """ucl steps read by the newest zarr that pyproject.toml admits (zarr 3.4, which needs Python >= 3.12),
-in the Python 3.13 environment that .ci/current-zarr-env builds (`./dev test` builds it beside the tests; this test waits for it): every
-stored array of native steps, bit for bit, with ucl's bfloat16/float8 found through its entry points.
+in the Python 3.13 environment that .ci/current-zarr-env builds (`./dev test` builds it beside the tests;
+this test waits for it): every stored array of native steps, bit for bit, with ucl's bfloat16/float8 found
+through its entry points.
 The whole suite runs with zarr 3.1 on Python 3.11; this is the part of the claimed range it cannot run.
 """
 

@@ -3,19 +3,59 @@
 ``run(world, "tests.write.dist_cases:save_replicated", {"path": ...})`` starts ``world`` Python processes,
 each calling ``init_process_group("gloo")`` then the function with ``(rank, world, **kwargs)``; returns
 their JSON-able results by rank, or raises with every failed rank's stderr.
+
+The ranks are forked from a zygote (multiprocessing's fork server) that has imported torch and ucl once:
+a fresh interpreter importing torch costs ~2 s of CPU, and a test suite starts well over a hundred ranks.
+Each rank is still its own process with its own environment, working directory, stdout and stderr, and
+nothing of the test process but what the zygote imported before any tensor was made.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import multiprocessing
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
+
+# what the zygote imports once (nothing that starts a thread or makes a tensor: it forks every rank)
+PRELOAD = ["torch", "torch.distributed", "ucl"]
+_zygote: Any = None
+
+
+def _context() -> Any:
+    global _zygote
+    if _zygote is None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        _zygote = ctx
+    return _zygote
+
+
+class _Rank:
+    """A rank forked from the zygote, seen through the part of Popen that :func:`run` uses."""
+
+    def __init__(self, env: dict[str, str], out: str, err: str, target: str, kwargs: str) -> None:
+        self.proc = _context().Process(target=_rank_main, args=(env, os.getcwd(), out, err, target, kwargs),
+                                       daemon=False)
+        self.proc.start()
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.exitcode
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def wait(self) -> None:
+        self.proc.join()
 
 
 def free_port() -> int:
@@ -35,7 +75,7 @@ def run(world: int, target: str, kwargs: dict[str, Any], timeout: float = 240.0,
     the error raised.
     """
     port = free_port()
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[_Rank] = []
     with tempfile.TemporaryDirectory(prefix="ucl-dist-") as logs:
         outs = [open(os.path.join(logs, f"{r}.out"), "w+b") for r in range(world)]  # noqa: SIM115
         errs = [open(os.path.join(logs, f"{r}.err"), "w+b") for r in range(world)]  # noqa: SIM115
@@ -44,9 +84,7 @@ def run(world: int, target: str, kwargs: dict[str, Any], timeout: float = 240.0,
                 env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                            MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                            UCL_DIST_STACKS_AFTER=str(max(1.0, timeout - 5.0)))
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "ucl.testing.dist", target, json.dumps(kwargs)], env=env,
-                    stdin=subprocess.DEVNULL, stdout=outs[rank], stderr=errs[rank]))
+                procs.append(_Rank(env, outs[rank].name, errs[rank].name, target, json.dumps(kwargs)))
             hung = _wait(procs, time.monotonic() + timeout, None if expect_fail else grace)
 
             def tail(rank: int) -> str:
@@ -78,7 +116,7 @@ def run(world: int, target: str, kwargs: dict[str, Any], timeout: float = 240.0,
                 f.close()
 
 
-def _wait(procs: list[subprocess.Popen[bytes]], deadline: float, grace: float | None) -> list[int]:
+def _wait(procs: list[_Rank], deadline: float, grace: float | None) -> list[int]:
     """Wait for every process until ``deadline`` (or, once one has failed and ``grace`` is given, until
     ``grace`` seconds after that); the ranks still running then, killed."""
     failed_at = None
@@ -98,7 +136,24 @@ def _wait(procs: list[subprocess.Popen[bytes]], deadline: float, grace: float | 
         time.sleep(0.05)
 
 
-def _main() -> None:
+def _rank_main(env: dict[str, str], cwd: str, out: str, err: str, target: str, kwargs: str) -> None:
+    """A rank, in a process forked from the zygote: the caller's environment, directory and files."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(f, fd)
+        os.close(f)
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))  # the zygote read no OMP_NUM_THREADS of ours
+    _main(target, json.loads(kwargs))
+
+
+def _main(target: str, kwargs: dict[str, Any]) -> None:
     import faulthandler
 
     import torch.distributed as dist
@@ -106,7 +161,6 @@ def _main() -> None:
     # a rank that hangs prints where every thread is before the parent kills it (run's error shows it)
     faulthandler.dump_traceback_later(float(os.environ.get("UCL_DIST_STACKS_AFTER", "235")), exit=False)
 
-    target, kwargs = sys.argv[1], json.loads(sys.argv[2])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mod, fn = target.split(":")
@@ -121,5 +175,5 @@ def _main() -> None:
     os._exit(0)
 
 
-if __name__ == "__main__":
-    _main()
+if __name__ == "__main__":  # python -m ucl.testing.dist TARGET KWARGS, with RANK, WORLD_SIZE, MASTER_* set
+    _main(sys.argv[1], json.loads(sys.argv[2]))
