@@ -32,3 +32,12 @@ def chatty(rank: int, world: int) -> Any:
     sys.stderr.write("e" * 300_000 + "\n")
     dist.barrier()
     return rank * 10
+
+
+def surroundings(rank: int, world: int) -> Any:
+    """What a rank sees of its caller: an environment variable, the working directory, torch's threads."""
+    import os
+
+    import torch
+
+    return [os.environ.get("UCL_DIST_PROBE"), os.getcwd(), torch.get_num_threads(), os.environ["RANK"]]

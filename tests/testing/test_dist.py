@@ -32,3 +32,16 @@ def test_a_hung_rank_prints_its_stack_before_it_is_killed() -> None:
     rank0, rank1 = msg.split("--- rank 0 (running)")[1].split("--- rank 1 (running)")
     assert "in barrier" in rank0  # faulthandler's stack: rank 0 waits for rank 1 in the runner's barrier
     assert "in hang_one" in rank1 and "x" * 1000 in rank1  # where rank 1 is, after what it printed
+
+
+def test_a_rank_sees_its_callers_environment_and_directory_not_the_zygotes(tmp_path, monkeypatch) -> None:
+    """Ranks fork from a process that imported torch once; what the caller set after it started reaches
+    them all the same (checked twice: the second run forks from the same zygote after other changes)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")  # run() gives each rank OMP_NUM_THREADS=1 whatever this says
+    for value in ("first", "second"):
+        monkeypatch.setenv("UCL_DIST_PROBE", value)
+        here = tmp_path / value
+        here.mkdir()
+        monkeypatch.chdir(here)
+        got = dist.run(2, f"{CASES}:surroundings", {}, timeout=120)
+        assert got == [[value, str(here), 1, "0"], [value, str(here), 1, "1"]]

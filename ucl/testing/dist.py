@@ -12,6 +12,7 @@ nothing of the test process but what the zygote imported before any tensor was m
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import multiprocessing
@@ -24,24 +25,20 @@ from typing import Any
 
 # what the zygote imports once (nothing that starts a thread or makes a tensor: it forks every rank)
 PRELOAD = ["torch", "torch.distributed", "ucl"]
-_zygote: Any = None
 
 
+@functools.cache
 def _context() -> Any:
-    global _zygote
-    if _zygote is None:
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
-        _zygote = ctx
-    return _zygote
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 class _Rank:
     """A rank forked from the zygote, seen through the part of Popen that :func:`run` uses."""
 
     def __init__(self, env: dict[str, str], out: str, err: str, target: str, kwargs: str) -> None:
-        self.proc = _context().Process(target=_rank_main, args=(env, os.getcwd(), out, err, target, kwargs),
-                                       daemon=False)
+        self.proc = _context().Process(target=_rank_main, args=(env, out, err, target, kwargs))
         self.proc.start()
 
     def poll(self) -> int | None:
@@ -136,9 +133,9 @@ def _wait(procs: list[_Rank], deadline: float, grace: float | None) -> list[int]
         time.sleep(0.05)
 
 
-def _rank_main(env: dict[str, str], cwd: str, out: str, err: str, target: str, kwargs: str) -> None:
-    """A rank, in a process forked from the zygote: the caller's environment, directory and files."""
-    os.chdir(cwd)
+def _rank_main(env: dict[str, str], out: str, err: str, target: str, kwargs: str) -> None:
+    """A rank, in a process forked from the zygote: the caller's environment and files (multiprocessing
+    itself gives it the caller's working directory and sys.path)."""
     os.environ.clear()
     os.environ.update(env)
     sys.stdout.flush()
@@ -173,7 +170,3 @@ def _main(target: str, kwargs: dict[str, Any]) -> None:
     # while gloo's threads wind down aborts now and then ("terminate called without an active
     # exception"), failing a rank whose work had succeeded. The result is printed; exit now.
     os._exit(0)
-
-
-if __name__ == "__main__":  # python -m ucl.testing.dist TARGET KWARGS, with RANK, WORLD_SIZE, MASTER_* set
-    _main(sys.argv[1], json.loads(sys.argv[2]))
