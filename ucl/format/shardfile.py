@@ -276,6 +276,29 @@ def assemble(meta: ArrayMeta, payloads: Iterable[tuple[int, Any]]) -> list[Any]:
     return buffers
 
 
+def canonical_index(meta: ArrayMeta, shard: tuple[int, ...]) -> tuple[np.ndarray, int] | None:
+    """The index and file size of a shard as :func:`encode_shard` lays it out (its present inner chunks
+    back to back from offset 0 in index order, each ``inner_nbytes + 4`` bytes), or None for a compressed
+    or delta array, whose chunks vary in size. A reader may read a shard by this index while it reads
+    the real one, and trusts those bytes only once the two are equal (spec/core.md §6.1 lets a writer
+    lay chunks out in any order, so another writer's shard may differ)."""
+    if meta.compression is not None or meta.delta is not None:
+        return None
+    # along each dimension: which inner chunks of this shard start inside the array (the others are
+    # wholly outside it, absent); a chunk is present when it is along every dimension
+    present: np.ndarray = np.ones((), dtype=bool)
+    for c, cs, i, g, n in zip(shard, meta.chunk_shape, meta.inner_chunk_shape, meta.inner_grid, meta.shape,
+                              strict=True):
+        present = np.logical_and.outer(present, c * cs + np.arange(g, dtype=np.int64) * i < n)
+    present = present.reshape(-1)
+    size = meta.inner_nbytes + 4
+    index = np.full((meta.n_inner, 2), EMPTY, dtype="<u8")
+    count = int(np.count_nonzero(present))
+    index[present, 0] = np.arange(count, dtype=np.uint64) * np.uint64(size)
+    index[present, 1] = size
+    return index, count * size + index_nbytes(meta.n_inner)
+
+
 def encode_shard(meta: ArrayMeta, shard: tuple[int, ...], block: torch.Tensor) -> list[Any]:
     """Buffers whose concatenation is the shard file for ``block`` (the shard's region clipped to the array).
 

@@ -4,11 +4,15 @@ A read runs in three phases over any number of (array, box, destination) request
 
 1. load the index of every shard involved (on ``index_threads`` threads: small latency-bound reads;
    each index is checked: crc32c, bounds, overlaps). A small shard that a request needs whole is read
-   in one request with its index;
+   in one request with its index. A shard read whole whose recorded size is that of ucl's own layout
+   (``ucl.format.shardfile.canonical_index``) is not waited for: it is planned by that predicted index,
+   its last segment reads on to the end of the file and must find exactly that index there, and if
+   any check of such a shard fails the whole read is done again by the real indexes (another writer
+   may lay chunks out in any order, spec/core.md §6.1), which then name any real defect;
 2. plan, per request as soon as its indexes are in (:mod:`ucl.read.chunks`): for each needed inner
    chunk, either read it straight into the destination or place it from a buffer; coalesce neighbouring
    chunks of a file into segments of at most ``segment_bytes``;
-3. execute the segments on the caller's pool (so data flows while later indexes are still read): read
+3. execute the segments on the caller's pool: read
    each through the step's :class:`~ucl.io.ranges.RangeReader` (a cold segment of a bulk read -- load,
    load_into -- with O_DIRECT into a pooled buffer, checked there, then copied; others, and every
    segment of a lazy read, which leaves its pages cached for the next read, vectored straight into
@@ -26,12 +30,14 @@ from __future__ import annotations
 import struct
 import threading
 from collections.abc import Iterable
-from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Executor, ThreadPoolExecutor, wait
+from typing import NamedTuple
 
 import numpy as np
 
-from ucl.errors import ChecksumError
-from ucl.format.shardfile import check_chunk, chunk_checksum_error
+from ucl.errors import ChecksumError, ShardSizeError
+from ucl.format.metadata import ArrayMeta
+from ucl.format.shardfile import check_chunk, chunk_checksum_error, index_nbytes
 from ucl.io import native as _native
 from ucl.io.prefault import Prefaulter
 from ucl.options import DEFAULT_READ, ReadOptions
@@ -79,11 +85,30 @@ def _deliver_also(c: ChunkRead, data: memoryview) -> None:
             d.place(data)  # type: ignore[misc]
 
 
-def _execute(files: StepFiles, group: list[ChunkRead], direct: bool = True) -> None:
+class _Mispredicted(Exception):
+    """A shard read by its predicted index did not hold what the prediction said (internal: the read is
+    done again by the shards' real indexes, which name any real defect)."""
+
+
+def _execute(files: StepFiles, group: list[ChunkRead], direct: bool = True, tail: bytes | None = None,
+             guessed: bool = False) -> None:
     """Read one segment (adjacent chunks of one file), check every chunk's crc32c, deliver it. A cold
     segment of a bulk read (``direct``) goes to the device with O_DIRECT into a pooled buffer and is
     checked there before it is copied anywhere; other segments are read vectored straight into their
-    targets, then checked."""
+    targets, then checked.
+
+    ``guessed``: the chunks were planned by the shard's predicted index (``StepFiles.predicted_index``);
+    ``tail``: the bytes that must follow the segment to the end of the file (the predicted index and its
+    crc32c), read in the same request. Any check that fails then raises :class:`_Mispredicted`."""
+    if not guessed:
+        return _read_segment(files, group, direct, b"")
+    try:
+        _read_segment(files, group, direct, tail or b"")
+    except (ChecksumError, ShardSizeError):
+        raise _Mispredicted(group[0].key) from None
+
+
+def _read_segment(files: StepFiles, group: list[ChunkRead], direct: bool, tail: bytes) -> None:
     c0 = group[0]
     want = sum(c.nbytes for c in group)
     raw = files.small.get(c0.key)
@@ -91,30 +116,37 @@ def _execute(files: StepFiles, group: list[ChunkRead], direct: bool = True) -> N
         _from_memory(group, raw, 0)
         return
     try:
-        lease = files.read_direct(c0.key, c0.offset, want) if direct else None
+        lease = files.read_direct(c0.key, c0.offset, want + len(tail)) if direct else None
     except (FileNotFoundError, NotADirectoryError):
         raise files.missing(c0.key, c0.meta.name) from None
     if lease is not None:
         try:
-            if lease.view.nbytes < want:
-                raise truncated(c0.key, c0.meta.name, lease.view.nbytes, want, c0.offset)
+            if lease.view.nbytes < want + len(tail):
+                raise truncated(c0.key, c0.meta.name, lease.view.nbytes, want + len(tail), c0.offset)
+            if tail and lease.view[want:] != tail:
+                raise _Mispredicted(c0.key)
             _from_memory(group, lease.view, c0.offset)
         finally:
             lease.release()
         return
-    if len(group) == 1 and c0.part is not None:
+    if len(group) == 1 and c0.part is not None and not tail:
         _read_part(files, c0)
         return
     bufs: list[memoryview] = []
     for c in group:
         bufs.append(c.target)
         bufs.append(memoryview(c.crc))
+    end = bytearray(len(tail))
+    if tail:
+        bufs.append(memoryview(end))
     try:
         got = files.readinto(c0.key, c0.offset, bufs)
     except (FileNotFoundError, NotADirectoryError):
         raise files.missing(c0.key, c0.meta.name) from None
-    if got != want:
-        raise truncated(c0.key, c0.meta.name, got, want, c0.offset)
+    if got != want + len(tail):
+        raise truncated(c0.key, c0.meta.name, got, want + len(tail), c0.offset)
+    if end != tail:
+        raise _Mispredicted(c0.key)
     for c in group:
         data = c.target
         check_chunk(c.meta, data, _CRC.unpack(c.crc)[0], c.key, c.coords)
@@ -124,14 +156,16 @@ def _execute(files: StepFiles, group: list[ChunkRead], direct: bool = True) -> N
         c.scratch = None  # delivered: its buffer is not needed any more (only its crc, for a digest)
 
 
-def _plan_once(files: StepFiles, requests: list[Request], digests: list[WholeShard]) -> list[ChunkRead]:
+def _plan_once(files: StepFiles, requests: list[Request], digests: list[WholeShard],
+               guessed: dict[str, _Guess] | None = None) -> list[ChunkRead]:
     """The chunks of every request, each inner chunk read once: a chunk several requests need (the row
     runs of a column-split member of a flat buffer each take a piece of the same chunks) is read by the
     first and delivered from it to the others (:attr:`ChunkRead.also`)."""
     chunks: list[ChunkRead] = []
     first: dict[tuple[str, int], ChunkRead] = {}
+    known = {(g.meta.name, g.coords): g.predicted for g in guessed.values()} if guessed else None
     for r in requests:
-        for c in plan_request(files, r, digests):
+        for c in plan_request(files, r, digests, known):
             p = first.get((c.key, c.offset))
             if p is None:
                 first[(c.key, c.offset)] = c
@@ -208,56 +242,120 @@ def read(files: StepFiles, requests: Iterable[Request], pool: Executor | None = 
         files.ranges.pool.trim(options.keep_buffer_bytes)
 
 
+Shard = tuple[str, tuple[int, ...]]  # (array name, shard coordinates): a key of StepFiles.indexes
+
+
 def _read(files: StepFiles, requests: list[Request], pool: Executor | None, options: ReadOptions,
-          direct: bool) -> None:
-    seg = options.segment_bytes
+          direct: bool, speculate: bool = True) -> None:
     live = []
     for r in requests:
         if all(r.shape):
             stop = tuple(a + n for a, n in zip(r.start, r.shape, strict=True))
             shards = shards_of(r.meta, r.start, stop)
             live.append((r, [(s, covers(r.meta, s, r.start, stop)) for s in shards]))
+    # A shard read whole whose recorded size is that of ucl's own layout is planned by the index that
+    # layout gives (predicted) instead of waiting for its index read (hundreds of small reads before the
+    # first byte of data): its last segment reads on to the end of the file and must find that very
+    # index there, and every chunk must pass its crc32c; else the read is done again by the real indexes
+    guessed = _guess(files, live) if speculate else {}
+    again = False
     try:
+        _indexes(files, live, {(g.meta.name, g.coords) for g in guessed.values()}, options,
+                 threads=pool is not None)
+        digests: list[WholeShard] = []
+        work = []
+        unread = set(guessed)  # guessed shards whose index no segment reads (none, as planned: checked below)
+        for g in segments(_plan_once(files, [r for r, _ in live], digests, guessed), options.segment_bytes):
+            guess = guessed.get(g[0].key)
+            tail = None
+            data_end = guess.size - index_nbytes(len(guess.predicted)) if guess is not None else -1
+            if guess is not None and g[-1].offset + g[-1].nbytes == data_end:
+                body = guess.predicted.tobytes()
+                tail = body + _CRC.pack(_native.crc32c(body))
+            work.append((g, tail, guess is not None))
+            if tail is not None:
+                unread.discard(g[0].key)
         if pool is None:
-            for r, shards in live:
-                for s, whole in shards:
-                    files.index(r.meta, s, whole)
-            digests: list[WholeShard] = []
-            for g in segments(_plan_once(files, [r for r, _ in live], digests), seg):
-                _execute(files, g, direct)
-            _check_digests(files, digests)
-            return
-        # indexes on their own threads; the data read once every request is planned
-        todo = {}
-        for r, shards in live:
-            for s, whole in shards:
-                if (r.meta.name, s) not in files.indexes and (r.meta.name, s) not in todo:
-                    todo[(r.meta.name, s)] = (r.meta, s, whole)
-        ipool = ThreadPoolExecutor(min(options.index_threads, len(todo)), "ucl-index") if len(todo) > 1 else None
-        ifut = {k: ipool.submit(files.index, *v) for k, v in todo.items()} if ipool is not None else {}
-        dfut: list[Future[None]] = []
-        digests = []
-        try:
-            for r, shards in live:
-                for s, whole in shards:
-                    f = ifut.get((r.meta.name, s))
-                    if f is not None:
-                        f.result()
-                    else:
-                        files.index(r.meta, s, whole)
+            try:
+                for g, tail, planned in work:
+                    _execute(files, g, direct, tail, planned)
+            except _Mispredicted:
+                again = True
+        else:
             # no list of the chunks kept here: a segment's buffers go as soon as it is delivered
-            dfut += [pool.submit(_execute, files, g, direct)
-                     for g in segments(_plan_once(files, [r for r, _ in live], digests), seg)]
-            for f in dfut:
-                f.result()
+            dfut = [pool.submit(_execute, files, g, direct, tail, planned) for g, tail, planned in work]
+            del work
+            try:
+                wait(dfut)
+                again = any(isinstance(f.exception(), _Mispredicted) for f in dfut)
+                if not again:
+                    for f in dfut:
+                        f.result()
+            finally:  # on an error: nothing of this read keeps running after it returns
+                for f in dfut:
+                    f.cancel()
+                wait(dfut)
+        for key in unread if not again else ():
+            u = guessed[key]
+            if not np.array_equal(files.read_index(u.meta, u.coords), u.predicted):
+                again = True
+                break
+        if not again:
             _check_digests(files, digests)
-        finally:  # on an error: nothing of this read keeps running after it returns
-            for f in [*ifut.values(), *dfut]:
-                f.cancel()
-            wait([*ifut.values(), *dfut])
-            if ipool is not None:
-                ipool.shutdown(wait=False)
+        if not again:  # confirmed: cached for the next read
+            files.indexes.update({(g.meta.name, g.coords): g.predicted for g in guessed.values()})
     finally:
         files.small.clear()
+    if again:
+        _read(files, requests, pool, options, direct, speculate=False)
 
 
+class _Guess(NamedTuple):
+    """A shard planned by its predicted index."""
+
+    meta: ArrayMeta
+    coords: tuple[int, ...]
+    predicted: np.ndarray  # the index
+    size: int  # the file's size in the commit record
+
+
+Live = list[tuple[Request, list[tuple[tuple[int, ...], bool]]]]  # each request and its (shard, read whole)
+
+
+def _guess(files: StepFiles, live: Live) -> dict[str, _Guess]:
+    """The predicted indexes of the shards read whole that have none cached, by file key (not cached: other
+    reads of the step must not plan by them before this read confirms them)."""
+    guessed: dict[str, _Guess] = {}
+    for r, shards in live:
+        for s, whole in shards:
+            if whole and (r.meta.name, s) not in files.indexes:
+                guess = files.predicted_index(r.meta, s)
+                if guess is not None:
+                    key, size = files.shard(r.meta, s)
+                    guessed[key] = _Guess(r.meta, s, guess, size)
+    return guessed
+
+
+def _indexes(files: StepFiles, live: Live, guessed: set[Shard], options: ReadOptions, threads: bool) -> None:
+    """Every index the plan needs that is not cached (nor guessed), read and checked; several on their own
+    threads (small latency-bound reads)."""
+    todo: dict[Shard, tuple[ArrayMeta, tuple[int, ...], bool]] = {}
+    for r, shards in live:
+        for s, whole in shards:
+            k = (r.meta.name, s)
+            if k not in files.indexes and k not in todo and k not in guessed:
+                todo[k] = (r.meta, s, whole)
+    if not threads or len(todo) < 2:
+        for v in todo.values():
+            files.index(*v)
+        return
+    ipool = ThreadPoolExecutor(min(options.index_threads, len(todo)), "ucl-index")
+    ifut = [ipool.submit(files.index, *v) for v in todo.values()]
+    try:
+        for f in ifut:
+            f.result()
+    finally:  # on an error: nothing of this read keeps running after it returns
+        for f in ifut:
+            f.cancel()
+        wait(ifut)
+        ipool.shutdown(wait=False)

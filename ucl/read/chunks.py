@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,8 +81,11 @@ class WholeShard:
     chunks: list[ChunkRead]  # in index order
 
 
-def plan_request(files: StepFiles, req: Request, digests: list[WholeShard] | None = None) -> list[ChunkRead]:
-    """The chunks ``req`` needs. ``digests``: where to note the shards it reads whole (full arrays only)."""
+def plan_request(files: StepFiles, req: Request, digests: list[WholeShard] | None = None,
+                 guessed: Mapping[tuple[str, tuple[int, ...]], np.ndarray] | None = None) -> list[ChunkRead]:
+    """The chunks ``req`` needs. ``digests``: where to note the shards it reads whole (full arrays only).
+    ``guessed``: predicted indexes of shards (by array name and coordinates), used before the cache's:
+    the caller's own, confirmed by its read (ucl.read.boxes), never seen by other reads meanwhile."""
     meta, out = req.meta, req.out
     stop = tuple(a + n for a, n in zip(req.start, req.shape, strict=True))
     if any(n == 0 for n in req.shape):
@@ -98,7 +101,9 @@ def plan_request(files: StepFiles, req: Request, digests: list[WholeShard] | Non
     chunks: list[ChunkRead] = []
     for shard in shards_of(meta, req.start, stop):
         key, _ = files.shard(meta, shard)
-        index = files.index(meta, shard)
+        index = guessed.get((meta.name, shard)) if guessed else None
+        if index is None:
+            index = files.index(meta, shard)
         origin = [c * s for c, s in zip(shard, meta.chunk_shape, strict=True)]
         ranges = []
         for d in range(len(shard)):

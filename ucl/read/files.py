@@ -28,7 +28,7 @@ from ucl.errors import (
 from ucl.format import metadata
 from ucl.format.metadata import ArrayMeta, CommitRecord
 from ucl.format.repository import commit_key, read_listed, step_prefix
-from ucl.format.shardfile import index_nbytes, parse_index
+from ucl.format.shardfile import canonical_index, index_nbytes, parse_index
 from ucl.io import native as _native
 from ucl.io.ranges import ALIGN, Lease, RangeReader, open_regular
 from ucl.io.stores.base import Store
@@ -173,24 +173,48 @@ class StepFiles:
         if size < n:
             raise ShardSizeError(f"{key}: the commit record's size {size} cannot hold the {n}-byte index",
                                  tensor=meta.name, file=key)
-        try:
-            if whole and size <= self.small_shard_bytes:
+        if whole and size <= self.small_shard_bytes:
+            try:
                 data = self._pread(key, 0, size)
-                if len(data) == size:  # else: truncated, reported by the index read below
-                    self.count(size)
-                    idx = parse_index(meta, data[size - n :], size, key)
-                    self.small[key] = memoryview(data)
-                    self.indexes[(meta.name, coords)] = idx
-                    return idx
+            except (FileNotFoundError, NotADirectoryError):
+                raise self.missing(key, meta.name) from None
+            except NotAFileError as e:
+                raise not_a_file(e, key, meta.name) from None
+            if len(data) == size:  # else: truncated, reported by the index read below
+                self.count(size)
+                idx = parse_index(meta, data[size - n :], size, key)
+                self.small[key] = memoryview(data)
+                self.indexes[(meta.name, coords)] = idx
+                return idx
+        idx = self.read_index(meta, coords)
+        self.indexes[(meta.name, coords)] = idx
+        return idx
+
+    def read_index(self, meta: ArrayMeta, coords: tuple[int, ...]) -> np.ndarray:
+        """A shard's index read from its file and checked, whatever the cache holds (not cached)."""
+        key, size = self.shard(meta, coords)
+        n = index_nbytes(meta.n_inner)
+        if size < n:
+            raise ShardSizeError(f"{key}: the commit record's size {size} cannot hold the {n}-byte index",
+                                 tensor=meta.name, file=key)
+        try:
             raw = self._pread(key, size - n, n)
         except (FileNotFoundError, NotADirectoryError):
             raise self.missing(key, meta.name) from None
         except NotAFileError as e:
             raise not_a_file(e, key, meta.name) from None
         self.count(len(raw))
-        idx = parse_index(meta, raw, size, key)
-        self.indexes[(meta.name, coords)] = idx
-        return idx
+        return parse_index(meta, raw, size, key)
+
+    def predicted_index(self, meta: ArrayMeta, coords: tuple[int, ...]) -> np.ndarray | None:
+        """The index the shard has if its writer laid it out as ucl does (``canonical_index``) and the
+        commit record's size agrees, else None. Not checked against the file: the caller reads the real
+        index beside the data and uses the bytes only once the two are equal."""
+        guess = canonical_index(meta, coords)
+        if guess is None:
+            return None
+        _, size = self.shard(meta, coords)
+        return guess[0] if guess[1] == size else None
 
     def whole(self, meta: ArrayMeta, coords: tuple[int, ...]) -> tuple[np.ndarray, Lease | memoryview | None]:
         """A listed shard read whole in one request (its index parsed from it and cached), or only its
