@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections.abc import Iterable
-from concurrent.futures import Executor, ThreadPoolExecutor, wait
-from typing import NamedTuple
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -291,10 +291,8 @@ def _read(files: StepFiles, requests: list[Request], pool: Executor | None, opti
                 if not again:
                     for f in dfut:
                         f.result()
-            finally:  # on an error: nothing of this read keeps running after it returns
-                for f in dfut:
-                    f.cancel()
-                wait(dfut)
+            finally:
+                _settle(dfut)
         for key in unread if not again else ():
             u = guessed[key]
             if not np.array_equal(files.read_index(u.meta, u.coords), u.predicted):
@@ -354,8 +352,14 @@ def _indexes(files: StepFiles, live: Live, guessed: set[Shard], options: ReadOpt
     try:
         for f in ifut:
             f.result()
-    finally:  # on an error: nothing of this read keeps running after it returns
-        for f in ifut:
-            f.cancel()
-        wait(ifut)
+    finally:
+        _settle(ifut)
         ipool.shutdown(wait=False)
+
+
+def _settle(futures: Sequence[Future[Any]]) -> None:
+    """On an error: nothing of this read keeps running after it returns (the work not started is
+    cancelled, the work started is waited for)."""
+    for f in futures:
+        f.cancel()
+    wait(futures)
