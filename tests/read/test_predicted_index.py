@@ -212,3 +212,27 @@ def test_another_writers_layout_read_on_threads(tmp_path: Path, damaged: bool) -
             assert ck._pool is not None  # the threaded path
             for (name, _), v in ck.files.indexes.items():
                 assert name != "big" or np.array_equal(v, real)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 4), st.integers(1, 3)), min_size=1, max_size=3))
+def test_the_prediction_is_the_writers_index_for_every_shard(dims: list[tuple[int, int, int]]) -> None:
+    """Every shard of an array, those inside it (every inner chunk present: the fast path) and those at its
+    edges (chunks wholly past the end absent), by ``encode_shard``, the writer's own encoder."""
+    from itertools import product
+
+    from ucl.format.metadata import ArrayMeta
+    from ucl.format.shardfile import encode_shard
+
+    shape = tuple(n for n, _, _ in dims)
+    inner = tuple(i for _, i, _ in dims)
+    chunk = tuple(i * k for _, i, k in dims)
+    meta = ArrayMeta(name="t", shape=shape, dtype="float32", chunk_shape=chunk, inner_chunk_shape=inner)
+    full = torch.arange(int(np.prod(shape)), dtype=torch.float32).reshape(shape)
+    for shard in product(*(range(g) for g in meta.grid)):
+        box = tuple(slice(c * cs, min((c + 1) * cs, n)) for c, cs, n in zip(shard, chunk, shape, strict=True))
+        data = b"".join(bytes(memoryview(b).cast("B")) for b in encode_shard(meta, shard, full[box]))
+        guess = canonical_index(meta, shard)
+        assert guess is not None and guess[1] == len(data), (shard, guess and guess[1], len(data))
+        n = index_nbytes(meta.n_inner)
+        assert np.array_equal(guess[0], parse_index(meta, data[-n:], len(data), "t/c")), shard

@@ -284,6 +284,14 @@ def canonical_index(meta: ArrayMeta, shard: tuple[int, ...]) -> tuple[np.ndarray
     lay chunks out in any order, so another writer's shard may differ)."""
     if meta.compression is not None or meta.delta is not None:
         return None
+    size = meta.inner_nbytes + 4
+    if all(c * cs + (g - 1) * i < n for c, cs, i, g, n in zip(shard, meta.chunk_shape, meta.inner_chunk_shape,
+                                                               meta.inner_grid, meta.shape, strict=True)):
+        # every inner chunk present (a shard inside the array: all but edge shards): no mask to build
+        index = np.empty((meta.n_inner, 2), dtype="<u8")
+        index[:, 0] = np.arange(0, meta.n_inner * size, size, dtype=np.uint64)
+        index[:, 1] = size
+        return index, meta.n_inner * size + index_nbytes(meta.n_inner)
     # along each dimension: which inner chunks of this shard start inside the array (the others are
     # wholly outside it, absent); a chunk is present when it is along every dimension
     present: np.ndarray = np.ones((), dtype=bool)
@@ -291,7 +299,6 @@ def canonical_index(meta: ArrayMeta, shard: tuple[int, ...]) -> tuple[np.ndarray
                               strict=True):
         present = np.logical_and.outer(present, c * cs + np.arange(g, dtype=np.int64) * i < n)
     present = present.reshape(-1)
-    size = meta.inner_nbytes + 4
     index = np.full((meta.n_inner, 2), EMPTY, dtype="<u8")
     count = int(np.count_nonzero(present))
     index[present, 0] = np.arange(count, dtype=np.uint64) * np.uint64(size)

@@ -9,9 +9,10 @@ A read runs in three phases over any number of (array, box, destination) request
    its last segment reads on to the end of the file and must find exactly that index there, and if
    any check of such a shard fails the whole read is done again by the real indexes (another writer
    may lay chunks out in any order, spec/core.md §6.1), which then name any real defect;
-2. plan, per request as soon as its indexes are in (:mod:`ucl.read.chunks`): for each needed inner
-   chunk, either read it straight into the destination or place it from a buffer; coalesce neighbouring
-   chunks of a file into segments of at most ``segment_bytes``;
+2. plan, array by array (:mod:`ucl.read.chunks`): for each needed inner chunk, either read it straight
+   into the destination or place it from a buffer; coalesce neighbouring chunks of a file into segments
+   of at most ``segment_bytes``; each array's segments start on the pool as soon as they are planned,
+   so the device works while the rest is planned;
 3. execute the segments on the caller's pool: read
    each through the step's :class:`~ucl.io.ranges.RangeReader` (a cold segment of a bulk read -- load,
    load_into -- with O_DIRECT into a pooled buffer, checked there, then copied; others, and every
@@ -157,13 +158,13 @@ def _read_segment(files: StepFiles, group: list[ChunkRead], direct: bool, tail: 
 
 
 def _plan_once(files: StepFiles, requests: list[Request], digests: list[WholeShard],
-               guessed: dict[str, _Guess] | None = None) -> list[ChunkRead]:
+               known: dict[Shard, np.ndarray] | None = None) -> list[ChunkRead]:
     """The chunks of every request, each inner chunk read once: a chunk several requests need (the row
     runs of a column-split member of a flat buffer each take a piece of the same chunks) is read by the
-    first and delivered from it to the others (:attr:`ChunkRead.also`)."""
+    first and delivered from it to the others (:attr:`ChunkRead.also`). ``known``: the predicted indexes
+    to plan by (:func:`_guess`)."""
     chunks: list[ChunkRead] = []
     first: dict[tuple[str, int], ChunkRead] = {}
-    known = {(g.meta.name, g.coords): g.predicted for g in guessed.values()} if guessed else None
     for r in requests:
         for c in plan_request(files, r, digests, known):
             p = first.get((c.key, c.offset))
@@ -259,40 +260,39 @@ def _read(files: StepFiles, requests: list[Request], pool: Executor | None, opti
     # index there, and every chunk must pass its crc32c; else the read is done again by the real indexes
     guessed = _guess(files, live) if speculate else {}
     again = False
+    dfut: list[Future[None]] = []
     try:
         _indexes(files, live, {(g.meta.name, g.coords) for g in guessed.values()}, options,
                  threads=pool is not None)
         digests: list[WholeShard] = []
-        work = []
         unread = set(guessed)  # guessed shards whose index no segment reads (none, as planned: checked below)
-        for g in segments(_plan_once(files, [r for r, _ in live], digests, guessed), options.segment_bytes):
-            guess = guessed.get(g[0].key)
-            tail = None
-            data_end = guess.size - index_nbytes(len(guess.predicted)) if guess is not None else -1
-            if guess is not None and g[-1].offset + g[-1].nbytes == data_end:
-                body = guess.predicted.tobytes()
-                tail = body + _CRC.pack(_native.crc32c(body))
-            work.append((g, tail, guess is not None))
-            if tail is not None:
-                unread.discard(g[0].key)
-        if pool is None:
-            try:
-                for g, tail, planned in work:
+        # planned array by array, each array's segments started as soon as they are planned: the device
+        # works while the rest is planned (a cold load of 300 tensors spent ~30 ms planning before its
+        # first read). A chunk two requests need lies in one array's shard, so each batch dedups alone.
+        known = {(g.meta.name, g.coords): g.predicted for g in guessed.values()}
+        for batch in _batches(live):
+            for g in segments(_plan_once(files, batch, digests, known), options.segment_bytes):
+                tail = _tail(guessed.get(g[0].key), g)
+                if tail is not None:
+                    unread.discard(g[0].key)
+                planned = g[0].key in guessed
+                if pool is not None:
+                    # no list of the chunks kept here: a segment's buffers go as soon as it is delivered
+                    dfut.append(pool.submit(_execute, files, g, direct, tail, planned))
+                    continue
+                try:
                     _execute(files, g, direct, tail, planned)
-            except _Mispredicted:
-                again = True
-        else:
-            # no list of the chunks kept here: a segment's buffers go as soon as it is delivered
-            dfut = [pool.submit(_execute, files, g, direct, tail, planned) for g, tail, planned in work]
-            del work
-            try:
-                wait(dfut)
-                again = any(isinstance(f.exception(), _Mispredicted) for f in dfut)
-                if not again:
-                    for f in dfut:
-                        f.result()
-            finally:
-                _settle(dfut)
+                except _Mispredicted:
+                    again = True
+                    break
+            if again:
+                break
+        if dfut:
+            wait(dfut)
+            again = any(isinstance(f.exception(), _Mispredicted) for f in dfut)
+            if not again:
+                for f in dfut:
+                    f.result()
         for key in unread if not again else ():
             u = guessed[key]
             if not np.array_equal(files.read_index(u.meta, u.coords), u.predicted):
@@ -303,9 +303,27 @@ def _read(files: StepFiles, requests: list[Request], pool: Executor | None, opti
         if not again:  # confirmed: cached for the next read
             files.indexes.update({(g.meta.name, g.coords): g.predicted for g in guessed.values()})
     finally:
+        _settle(dfut)  # after an error in planning or reading, none of this read's work goes on
         files.small.clear()
     if again:
         _read(files, requests, pool, options, direct, speculate=False)
+
+
+def _batches(live: Live) -> list[list[Request]]:
+    """The requests grouped by array, in the order first met."""
+    by: dict[str, list[Request]] = {}
+    for r, _ in live:
+        by.setdefault(r.meta.name, []).append(r)
+    return list(by.values())
+
+
+def _tail(guess: _Guess | None, g: list[ChunkRead]) -> bytes | None:
+    """For the segment of a guessed shard that ends where its data ends: the predicted index and its
+    crc32c, which the file must hold right after the segment (read in the same request)."""
+    if guess is None or g[-1].offset + g[-1].nbytes != guess.size - index_nbytes(len(guess.predicted)):
+        return None
+    body = guess.predicted.tobytes()
+    return body + _CRC.pack(_native.crc32c(body))
 
 
 class _Guess(NamedTuple):
