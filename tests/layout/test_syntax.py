@@ -9,11 +9,12 @@ from pathlib import Path
 import jsonschema
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from referencing import Registry, Resource
 
 from ucl.layout import Layout, Mesh, format_layout, parse_layout, parse_mesh
 from ucl.layout.builtins import megatron_gpt, zero_flat
-from ucl.layout.patterns import escape, match
+from ucl.layout.patterns import ends, escape, match
 from ucl.testing.layout_strategies import layouts
 
 from .helpers import examples, make_full, save
@@ -157,3 +158,20 @@ def test_builtins_round_trip():
     ):
         assert parse_layout(format_layout(layout)) == layout
         LAYOUT.validate(layout.to_dict())
+
+
+_PATTERN_PARTS = st.sampled_from(["a", "b", ".", "/", "*", "**", "{x}", "{y}", "\\*", "\\{", "\\\\", "ab.c"])
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(st.lists(_PATTERN_PARTS, min_size=1, max_size=6), st.text(alphabet="ab./*{}\\c", max_size=12))
+def test_a_pattern_matches_only_names_with_its_literal_ends(parts, name):
+    """patterns.ends is the resolver's prefilter before the match (ucl.layout.resolve.Resolver.rule_for): a
+    name the pattern matches starts with its head and ends with its tail, so the filter drops no match."""
+    pattern = "".join(parts)
+    if "{x}" in pattern.replace("{x}", "", 1) or "{y}" in pattern.replace("{y}", "", 1):
+        return  # a capture named twice is a malformed pattern
+    head, tail = ends(pattern)
+    for candidate in (name, head + name + tail, head + tail, head + "a" + tail):
+        if match(pattern, candidate) is not None:
+            assert candidate.startswith(head) and candidate.endswith(tail), (pattern, candidate, head, tail)

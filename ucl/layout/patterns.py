@@ -68,6 +68,32 @@ def match(pattern: str, name: str, int_captures: bool = False) -> dict[str, str]
     return None if m is None else m.groupdict()
 
 
+@functools.lru_cache(maxsize=4096)
+def ends(pattern: str) -> tuple[str, str]:
+    """The literal text ``pattern`` starts with and ends with (before its first and after its last
+    wildcard or capture; the whole pattern, unescaped, when it has none): a name it matches starts and
+    ends with them, a test much cheaper than the match (a Megatron layout's ~20 patterns are tried on
+    every tensor name)."""
+    parts: list[str] = [""]  # literal runs, split at each wildcard or capture
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern):
+            parts[-1] += pattern[i + 1]
+            i += 2
+        elif c == "*":
+            parts.append("")
+            i += 2 if pattern.startswith("**", i) else 1
+        elif c == "{":
+            end = pattern.find("}", i)
+            parts.append("")
+            i = end + 1 if end > 0 else len(pattern)
+        else:
+            parts[-1] += c
+            i += 1
+    return (parts[0], "") if len(parts) == 1 else (parts[0], parts[-1])
+
+
 def literal(pattern: str) -> str | None:
     """The one name ``pattern`` matches when it has no wildcard or capture, else None."""
     out: list[str] = []

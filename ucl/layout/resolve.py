@@ -141,12 +141,12 @@ class Resolver:
         self.members = [frozenset(m for m, _ in f.members) for f in self.layout.flats]
         # literal patterns (exact names, as layouts derived from DTensors have) by name; the rest scanned
         self._literal: dict[str, list[tuple[int, str]]] = {}
-        self._globs: list[tuple[int, str]] = []
+        self._globs: list[tuple[int, str, str, str]] = []  # (rule, pattern, its literal head and tail)
         for i, r in enumerate(self.layout.rules):
             for p in r.patterns:
                 name = patterns.literal(p)
                 if name is None:
-                    self._globs.append((i, p))
+                    self._globs.append((i, p, *patterns.ends(p)))
                 else:
                     self._literal.setdefault(name, []).append((i, p))
 
@@ -199,8 +199,9 @@ class Resolver:
         if hit is not None:
             return hit
         found: list[tuple[int, str]] = list(self._literal.get(logical, ()))
-        for i, p in self._globs:
-            if (not found or found[-1][0] != i) and patterns.match(p, logical) is not None:
+        for i, p, head, tail in self._globs:
+            if (not found or found[-1][0] != i) and logical.endswith(tail) and logical.startswith(head) \
+                    and patterns.match(p, logical) is not None:
                 found.append((i, p))
         found = sorted({i: (i, p) for i, p in reversed(found)}.values())
         if len(found) > 1:

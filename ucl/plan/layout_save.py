@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -343,7 +344,12 @@ def stored_chunks(spec: ArraySpec) -> set[tuple[int, ...]]:
     inner_grid = grid[1:] if lead else grid
     chunks = spec.chunk_shape[1:] if lead else spec.chunk_shape
     leads = range(min(lead, grid[0])) if lead and grid else range(0)
+    # every chunk of the grid found (a flat buffer's one chunk: after its first of hundreds of maps):
+    # the other maps cannot add any, unless a map lies before the grid's start (then all are walked)
+    total = math.prod(grid)
     for m in spec.logical.get("maps", []):
+        if len(out) == total:
+            break
         at, shape = tuple(m["at"]), tuple(m["box"][1])
         if "view" in m:
             vshape = tuple(m["view"]["shape"])
@@ -353,9 +359,13 @@ def stored_chunks(spec: ArraySpec) -> set[tuple[int, ...]]:
             if hi > lo:
                 c = spec.chunk_shape[0]
                 out.update((i,) for i in range(lo // c, min(grid[0], (hi - 1) // c + 1)))
+                if lo < 0:
+                    total = -1
             continue
         if len(at) != len(inner_grid) or len(shape) != len(inner_grid) or any(n == 0 for n in shape):
             continue
+        if any(a < 0 for a in at):
+            total = -1
         ranges = [
             range(a // c, min(g, (a + n - 1) // c + 1))
             for a, n, c, g in zip(at, shape, chunks, inner_grid, strict=True)
