@@ -290,29 +290,34 @@ class Resolver:
         fixed = {a for a, _ in f.on}
         members = []
         offset = 0
+        # a member's geometry depends on its rule and shape only (a 70B model's 723 members have a
+        # few dozen of them): each computed and checked once
+        geoms: dict[tuple[int | None, tuple[int, ...]], tuple[set[str], tuple[int, ...], tuple[Any, ...]]] = {}
         for member, shape in f.members:
             logical = self.to_logical(patterns.substitute(f.logical, {**values, "member": member}), coords)
             fixed |= set(self.to_local(logical)[1])
             i, rule = self.rule_for(logical)
-            tile = make_tile(rule, logical, shape, self.mesh)
-            bad = tile.content_axes() & set(f.axes)
-            if tile.partial or bad or (rule is not None and not placement_allows(rule.on, self.mesh, coords)):
-                why = (
-                    "is partial"
-                    if tile.partial
-                    else f"splits over flat axis {sorted(bad)[0]!r}"
-                    if bad
-                    else f"is not placed on {where(self.mesh, coords)}"
-                )
-                raise LayoutShapeError(
-                    f"flat {f.buffer!r}: member {logical!r} {why} (rule {(i or 0) + 1})", tensor=logical
-                )
-            fixed |= tile.content_axes()
+            geom = geoms.get((i, tuple(shape)))
+            if geom is None:
+                tile = make_tile(rule, logical, shape, self.mesh)
+                bad = tile.content_axes() & set(f.axes)
+                if tile.partial or bad or (rule is not None and not placement_allows(rule.on, self.mesh, coords)):
+                    why = (
+                        "is partial"
+                        if tile.partial
+                        else f"splits over flat axis {sorted(bad)[0]!r}"
+                        if bad
+                        else f"is not placed on {where(self.mesh, coords)}"
+                    )
+                    raise LayoutShapeError(
+                        f"flat {f.buffer!r}: member {logical!r} {why} (rule {(i or 0) + 1})", tensor=logical
+                    )
+                geom = geoms[(i, tuple(shape))] = (tile.content_axes(), tile.local_shape(self.mesh, coords),
+                                                   tuple(tile.pieces(self.mesh, coords)))
+            axes, view, pieces = geom
+            fixed |= axes
             offset = -(-offset // f.align) * f.align
-            view = tile.local_shape(self.mesh, coords)
-            members.append(
-                FlatMember(logical, tuple(shape), view, offset, tuple(tile.pieces(self.mesh, coords)))
-            )
+            members.append(FlatMember(logical, tuple(shape), view, offset, pieces))
             offset += math.prod(view)
         k = math.prod(self.mesh.axis_size(a) for a in f.axes)
         partition = f.length(offset, self.mesh) // k
