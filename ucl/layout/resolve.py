@@ -292,7 +292,8 @@ class Resolver:
         offset = 0
         # a member's geometry depends on its rule and shape only (a 70B model's 723 members have a
         # few dozen of them): each computed and checked once
-        geoms: dict[tuple[int | None, tuple[int, ...]], tuple[set[str], tuple[int, ...], tuple[Any, ...]]] = {}
+        Geom = tuple[set[str], tuple[int, ...], tuple[Any, ...]]  # content axes, local shape, pieces
+        geoms: dict[tuple[int | None, tuple[int, ...]], Geom] = {}
         for member, shape in f.members:
             logical = self.to_logical(patterns.substitute(f.logical, {**values, "member": member}), coords)
             fixed |= set(self.to_local(logical)[1])
@@ -301,7 +302,8 @@ class Resolver:
             if geom is None:
                 tile = make_tile(rule, logical, shape, self.mesh)
                 bad = tile.content_axes() & set(f.axes)
-                if tile.partial or bad or (rule is not None and not placement_allows(rule.on, self.mesh, coords)):
+                placed = rule is None or placement_allows(rule.on, self.mesh, coords)
+                if tile.partial or bad or not placed:
                     why = (
                         "is partial"
                         if tile.partial
