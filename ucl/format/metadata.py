@@ -84,8 +84,9 @@ _gc_was_enabled = False
 
 @contextmanager
 def acyclic() -> Iterator[None]:
-    """Pause the cycle collector while documents are parsed into objects that form no cycles (JSON
-    trees, records, frozen dataclasses): it would only walk them. Each parse allocates tens of
+    """Pause the cycle collector while documents are parsed, or layout plans built, into objects that form
+    no cycles (JSON trees, records, frozen dataclasses): it would only walk them
+    (:meth:`ucl.write.planning.Planner.plan_layout` uses it too). Each parse allocates tens of
     thousands of containers, which trigger collections; in a fresh process after ``import torch`` the
     first of them is a full one over torch's objects (~100 ms here, most of a cold ``ucl.open``): a
     collection that the process owes its imports, not the parse, and that the next allocations of the
