@@ -266,11 +266,15 @@ def _read(files: StepFiles, requests: list[Request], pool: Executor | None, opti
                  threads=pool is not None)
         digests: list[WholeShard] = []
         unread = set(guessed)  # guessed shards whose index no segment reads (none, as planned: checked below)
-        # planned array by array, each array's segments started as soon as they are planned: the device
-        # works while the rest is planned (a cold load of 300 tensors spent ~30 ms planning before its
-        # first read). A chunk two requests need lies in one array's shard, so each batch dedups alone.
+        # a read of whole shards (load, load_into) is planned array by array, each array's segments
+        # started as soon as they are planned: the device works while the rest is planned (a cold load of
+        # 300 tensors spent ~30 ms planning before its first read). A chunk two requests need lies in one
+        # array's shard, so each batch dedups alone. A read of parts of shards (a reshard's row runs:
+        # thousands of requests, each chunk delivered to several) is planned whole first: its planning
+        # beside the readers, which hold the GIL per chunk, made it slower (bench/reshard_flat.py)
         known = {(g.meta.name, g.coords): g.predicted for g in guessed.values()}
-        for batch in _batches(live):
+        whole = all(w for _, shards in live for _, w in shards)
+        for batch in _batches(live) if whole else [[r for r, _ in live]]:
             for g in segments(_plan_once(files, batch, digests, known), options.segment_bytes):
                 tail = _tail(guessed.get(g[0].key), g)
                 if tail is not None:
