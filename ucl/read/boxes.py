@@ -9,10 +9,9 @@ A read runs in three phases over any number of (array, box, destination) request
    its last segment reads on to the end of the file and must find exactly that index there, and if
    any check of such a shard fails the whole read is done again by the real indexes (another writer
    may lay chunks out in any order, spec/core.md §6.1), which then name any real defect;
-2. plan, array by array (:mod:`ucl.read.chunks`): for each needed inner chunk, either read it straight
-   into the destination or place it from a buffer; coalesce neighbouring chunks of a file into segments
-   of at most ``segment_bytes``; each array's segments start on the pool as soon as they are planned,
-   so the device works while the rest is planned;
+2. plan (:mod:`ucl.read.chunks`): for each needed inner chunk, either read it straight into the
+   destination or place it from a buffer; coalesce neighbouring chunks of a file into segments of at
+   most ``segment_bytes``;
 3. execute the segments on the caller's pool: read
    each through the step's :class:`~ucl.io.ranges.RangeReader` (a cold segment of a bulk read -- load,
    load_into -- with O_DIRECT into a pooled buffer, checked there, then copied; others, and every
@@ -266,30 +265,20 @@ def _read(files: StepFiles, requests: list[Request], pool: Executor | None, opti
                  threads=pool is not None)
         digests: list[WholeShard] = []
         unread = set(guessed)  # guessed shards whose index no segment reads (none, as planned: checked below)
-        # a read of whole shards (load, load_into) is planned array by array, each array's segments
-        # started as soon as they are planned: the device works while the rest is planned (a cold load of
-        # 300 tensors spent ~30 ms planning before its first read). A chunk two requests need lies in one
-        # array's shard, so each batch dedups alone. A read of parts of shards (a reshard's row runs:
-        # thousands of requests, each chunk delivered to several) is planned whole first: its planning
-        # beside the readers, which hold the GIL per chunk, made it slower (bench/reshard_flat.py)
         known = {(g.meta.name, g.coords): g.predicted for g in guessed.values()}
-        whole = all(w for _, shards in live for _, w in shards)
-        for batch in _batches(live) if whole else [[r for r, _ in live]]:
-            for g in segments(_plan_once(files, batch, digests, known), options.segment_bytes):
-                tail = _tail(guessed.get(g[0].key), g)
-                if tail is not None:
-                    unread.discard(g[0].key)
-                planned = g[0].key in guessed
-                if pool is not None:
-                    # no list of the chunks kept here: a segment's buffers go as soon as it is delivered
-                    dfut.append(pool.submit(_execute, files, g, direct, tail, planned))
-                    continue
-                try:
-                    _execute(files, g, direct, tail, planned)
-                except _Mispredicted:
-                    again = True
-                    break
-            if again:
+        for g in segments(_plan_once(files, [r for r, _ in live], digests, known), options.segment_bytes):
+            tail = _tail(guessed.get(g[0].key), g)
+            if tail is not None:
+                unread.discard(g[0].key)
+            planned = g[0].key in guessed
+            if pool is not None:
+                # no list of the chunks kept here: a segment's buffers go as soon as it is delivered
+                dfut.append(pool.submit(_execute, files, g, direct, tail, planned))
+                continue
+            try:
+                _execute(files, g, direct, tail, planned)
+            except _Mispredicted:
+                again = True
                 break
         if dfut:
             wait(dfut)
@@ -311,14 +300,6 @@ def _read(files: StepFiles, requests: list[Request], pool: Executor | None, opti
         files.small.clear()
     if again:
         _read(files, requests, pool, options, direct, speculate=False)
-
-
-def _batches(live: Live) -> list[list[Request]]:
-    """The requests grouped by array, in the order first met."""
-    by: dict[str, list[Request]] = {}
-    for r, _ in live:
-        by.setdefault(r.meta.name, []).append(r)
-    return list(by.values())
 
 
 def _tail(guess: _Guess | None, g: list[ChunkRead]) -> bytes | None:

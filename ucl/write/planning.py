@@ -109,8 +109,8 @@ class Planner:
         (:meth:`_plan_full`), whose checks name the problem.
 
         The cycle collector pauses meanwhile (:func:`ucl.format.metadata.acyclic`): a plan is tens of
-        thousands of small acyclic objects (a coordinator's at 8 ranks of a 70B layout: 0.35 s with the
-        collections its allocations trigger over the process's heap, 0.19 s without; bench/scale.py)."""
+        thousands of small acyclic objects whose allocations set off collections over the process's whole
+        heap (about half of a coordinator's first plan at 8 ranks of bench/scale.py's 70B layout)."""
         with acyclic():
             plan = self._plan_compact(local, layout, mesh, rank_in_mesh)
             self.protocol = "compact" if plan is not None else "full"
