@@ -131,6 +131,38 @@ def test_default_prepares_the_other_slots_after_the_first_save(tmp_path) -> None
     assert_bits(ucl.load(tmp_path, 1, flat=True), flat(sd))
 
 
+def test_the_preparers_wait_while_a_local_job_is_written(tmp_path) -> None:
+    # the first save's write ran 1.5-2x longer beside preparers faulting the other slot (docs/staging.md)
+    sd = state(7)
+    seen: list[tuple[int, list[int]]] = []
+    with CheckpointManager(tmp_path) as mgr:
+        write = mgr._shards.write
+
+        def watched(job, base):  # type: ignore[no-untyped-def]
+            before = [s.low for s in mgr._staging.slots]
+            out = write(job, base)
+            assert [s.low for s in mgr._staging.slots] == before  # no page touched meanwhile
+            seen.append((mgr._staging._paused, before))
+            return out
+
+        mgr._shards.write = watched  # type: ignore[method-assign]
+        mgr.save(0, sd).result()
+        assert [paused for paused, _ in seen] == [1]
+        assert mgr._staging.wait_prepared(60)  # the other slot is prepared once the write is done
+        assert all(s.prepared for s in mgr._staging.slots)
+    assert_bits(ucl.load(tmp_path, 0, flat=True), flat(sd))
+
+
+def test_paused_staging_starts_no_preparer_until_resumed() -> None:
+    st = SmallChunks(None, 2, threads=2)
+    with st.paused():
+        st.prepare(8 << 20)
+        assert not staging_threads() and all(s.pending for s in st.slots)
+    assert st.wait_prepared(60)
+    assert all(s.prepared for s in st.slots)
+    st.close()
+
+
 def test_a_too_small_preparation_grows(tmp_path) -> None:
     small, big = state(5, rows=8), state(6, rows=600)
     with CheckpointManager(tmp_path, prepare=small) as mgr:

@@ -28,6 +28,7 @@ The manager wires these parts together (each its own module of ucl.write):
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -618,7 +619,11 @@ class CheckpointManager:
                     failed.setdefault(job.step, job.error)
                 elif job.step not in failed:
                     self._kinds.decide(job)
-                    files = self._shards.write(job, self._kinds.base_of(job))
+                    # to a local disk the staging preparers wait: faulting fresh pages beside the O_DIRECT
+                    # writes slowed a process's first save 1.5-2x (docs/staging.md); uploads to an object
+                    # store take long enough that the next save would find its slot untouched
+                    with self._staging.paused() if self.repo.store.is_local else contextlib.nullcontext():
+                        files = self._shards.write(job, self._kinds.base_of(job))
                     collected.setdefault(job.step, {}).update(files)
             except BaseException as e:  # noqa: BLE001 - any failure fails this save's handle
                 failed[job.step] = e

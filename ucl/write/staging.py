@@ -226,7 +226,9 @@ class Staging:
         self._threads: list[threading.Thread] = []
         self._halt = threading.Event()
         self.error: BaseException | None = None  # the preparer's failure (it then stops preparing)
-        self._copying = 0  # saves copying now: the preparers pause (on 2 cores they slowed the copy)
+        # saves copying now and local writes in flight: the preparers pause (on 2 cores they slowed the
+        # copy; beside the first save's O_DIRECT writes they made it 1.5-2x slower, docs/staging.md)
+        self._paused = 0
 
     def slot_bytes(self, need: int) -> int:
         """The size of a slot for ``need`` staged bytes (with a budget every slot is half of it)."""
@@ -314,8 +316,8 @@ class Staging:
             t.start()
 
     def _next_work(self) -> StagingSlot | None:  # under self._free
-        if self._copying:
-            return None  # resumed when the copy is done (stage)
+        if self._paused:
+            return None  # resumed when the copy or the write is done (stage_batches, persisting)
         # a busy one first (a save copied into it: what its copy did not reach), then the free ones
         todo = [s for s in self.slots if s.pending]
         return min(todo, key=lambda s: not s.busy) if todo else None
@@ -327,7 +329,7 @@ class Staging:
                     slot = self._next_work()
                     if slot is None:
                         return
-                while not self._halt.is_set() and not self._copying and slot.touch_step(self.CHUNK):
+                while not self._halt.is_set() and not self._paused and slot.touch_step(self.CHUNK):
                     pass
         except BaseException as e:  # noqa: BLE001 - e.g. no pinned memory: the saves allocate and touch
             self.error = e  # what is left themselves (and report a failure there, on the caller's thread)
@@ -392,14 +394,25 @@ class Staging:
             staged.update(part)
         return staged
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """While inside, the preparers touch no page (each ends its current chunk first); they go on
+        after. The persister holds it while it writes a job to a local disk (ucl.write.manager)."""
+        with self._free:
+            self._paused += 1
+        try:
+            yield
+        finally:
+            with self._free:
+                self._paused -= 1
+                self._start()  # the other slots (and what is left of this one) in the background
+
     def stage_batches(self, slot: StagingSlot, tensors: dict[str, torch.Tensor],
                       batch_bytes: int | None) -> Iterator[tuple[dict[str, torch.Tensor], bool]]:
         """:meth:`stage`, one batch of consecutive tensors of about ``batch_bytes`` at a time (None: all
         of them): yields each batch's staged copies, and whether it is the last, as soon as it is copied
         (its device-to-host copy done), so the persister can write it while the next one is copied."""
-        with self._free:
-            self._copying += 1  # the preparers pause (after their current chunk) until the copy is done
-        try:
+        with self.paused():  # the preparers pause (after their current chunk) until the copy is done
             slot.materialize()  # pinned: allocated now, or the preparer's allocation awaited
             racing = not slot.prepared  # a preparer's chunk in flight below the copy is waited for
             cuda = any(t.is_cuda for t in tensors.values())
@@ -419,10 +432,6 @@ class Staging:
                 yield staged, i + 1 == len(items)
             if not items:
                 yield {}, True
-        finally:
-            with self._free:
-                self._copying = max(0, self._copying - 1)
-                self._start()  # the other slots (and what is left of this one) in the background
 
     def _copy(self, slot: StagingSlot, batch: list[tuple[str, torch.Tensor]], offset: int, racing: bool,
               cuda: bool) -> tuple[dict[str, torch.Tensor], int]:
