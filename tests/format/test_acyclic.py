@@ -77,3 +77,38 @@ def test_open_starts_no_collection_over_the_process(tmp_path):
     assert len(names) == 300
     assert set(seen) <= {0}, seen
     assert gc.isenabled()
+
+
+def test_leaving_moves_the_young_objects_on_without_a_collection():
+    """The objects made during the pause leave the youngest generation (no collection of them follows
+    at the next allocation), and no collection runs on leaving: two list splices (freeze, unfreeze)."""
+    gc.collect()
+    seen = []
+
+    def cb(phase, info):
+        if phase == "start":
+            seen.append(info["generation"])
+
+    gc.callbacks.append(cb)
+    try:
+        with metadata.acyclic():
+            made = [[i] for i in range(50_000)]
+        young = gc.get_count()[0]
+    finally:
+        gc.callbacks.remove(cb)
+    assert seen == [] and young < 100, (seen, young)
+    assert len(made) == 50_000 and gc.isenabled()
+
+
+def test_a_programs_frozen_objects_stay_frozen():
+    gc.collect()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        with metadata.acyclic():
+            made = [[i] for i in range(1000)]
+        assert gc.get_freeze_count() == frozen  # unfreeze would have released them
+        assert len(made) == 1000
+    finally:
+        gc.unfreeze()
