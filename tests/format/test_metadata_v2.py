@@ -255,6 +255,39 @@ def test_a_path_listed_twice_is_a_corrupt_record() -> None:
         metadata.CommitRecord.from_bytes(metadata.dumps(body), "rec", 3)
 
 
+_PART = st.text(st.sampled_from(["a", ".", "/", "\\", "\x00"]), max_size=5)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(_PART, st.dictionaries(_PART, st.just([40, 3]), max_size=3), max_size=3))
+def test_a_file_outside_its_step_is_refused_as_its_whole_path_says(files: dict[str, Any]) -> None:
+    """The reader matches each group and each distinct rest once (not every joined path): the verdict is
+    the one the joined paths give, file by file in the record's order."""
+    from ucl.errors import CorruptCommitRecordError, InvalidNameError
+    from ucl.io import native
+
+    body = {"ucl_commit": 2, "step": 3, "kind": "full", "parent": None, "time": "2026-01-01T00:00:00.000000Z",
+            "files": files}
+    body["checksum"] = native.crc32c(metadata.canonical(body))
+    want: type[Exception] | None = None
+    seen: set[str] = set()
+    for p, group in files.items():
+        for r in group:
+            k = f"{p}/{r}" if p else r
+            if want is None and metadata._OUTSIDE.search(k):
+                want = InvalidNameError
+            if want is None and k in seen:
+                want = CorruptCommitRecordError
+            seen.add(k)
+    if want is None:
+        got = metadata.CommitRecord.from_bytes(metadata.dumps(body), "rec", 3)
+        assert set(got.files) == seen
+    else:
+        with pytest.raises(want) as e:
+            metadata.CommitRecord.from_bytes(metadata.dumps(body), "rec", 3)
+        assert type(e.value) is want
+
+
 def test_compacting_a_step_of_the_chain_keeps_its_children_readable(tmp_path: Path) -> None:
     """Step 2 (records from 1) rewritten full writes its records inline; step 3 (records from 2) reads
     them there, and retention keeping only step 3 keeps its chain (step 2), drops step 1, and the

@@ -965,18 +965,33 @@ class CommitRecord:
         check_extensions(doc.get("extensions", []), what)
         if step is not None and doc["step"] != step:
             raise CorruptCommitRecordError(f"commit record {what} is for step {doc['step']}, not {step}", file=what)
-        if doc["ucl_commit"] == 1:
-            listed = ((k, v) for k, v in doc["files"].items())
-        else:
-            listed = ((f"{p}/{r}" if p else r, v)
-                      for p, group in doc["files"].items() for r, v in group.items())
         files: dict[str, tuple[int, int]] = {}
-        for k, (size, crc) in listed:
-            if _OUTSIDE.search(k):
-                raise InvalidNameError(f"commit record {what} lists a file {k[:200]!r} outside its step", file=what)
-            if k in files:
-                raise CorruptCommitRecordError(f"commit record {what} lists {k[:200]!r} twice", file=what)
-            files[k] = (size, crc)
+
+        def outside(k: str) -> None:
+            raise InvalidNameError(f"commit record {what} lists a file {k[:200]!r} outside its step", file=what)
+
+        if doc["ucl_commit"] == 1:
+            for k, (size, crc) in doc["files"].items():
+                if _OUTSIDE.search(k):
+                    outside(k)
+                files[k] = (size, crc)
+        else:
+            # "p/r" has an empty, "." or ".." segment, a backslash or a NUL exactly when p or r has one (an
+            # empty r is itself an empty segment; an empty p lists r as it is), so each group and each
+            # distinct rest (a few: "zarr.json", "c/0", ...) is matched once, not every joined path
+            fine: set[str] = set()
+            for p, group in doc["files"].items():
+                if p and group and _OUTSIDE.search(p):
+                    outside(f"{p}/{next(iter(group))}")
+                for r, (size, crc) in group.items():
+                    k = f"{p}/{r}" if p else r
+                    if r not in fine:
+                        if _OUTSIDE.search(r):
+                            outside(k)
+                        fine.add(r)
+                    if k in files:
+                        raise CorruptCommitRecordError(f"commit record {what} lists {k[:200]!r} twice", file=what)
+                    files[k] = (size, crc)
         return cls(step=doc["step"], kind=doc["kind"], files=files, parent=doc.get("parent"),
                    time=doc["time"], version=doc["ucl_commit"])
 
