@@ -136,7 +136,8 @@ def run_case(case: str, args: argparse.Namespace, seed: int, base: str, every: i
             raise RuntimeError(f"{case}: the training child failed ({p.returncode}):\n{err[-3000:]}")
         break
     wall = time.monotonic() - t_begin
-    events = [json.loads(line) for line in open(progress) if line.strip()]
+    with open(progress) as f:
+        events = [json.loads(line) for line in f if line.strip()]
     shutil.rmtree(root, ignore_errors=True)
     shutil.rmtree(shm_root, ignore_errors=True)
     # work lost: the steps each restart does again (its start step vs the last step done before the kill)

@@ -73,12 +73,11 @@ def load_child(path: str, dst: tuple[int, ...], rank: int, drop: str) -> dict[st
     mesh = _mesh(dst)
     layout = megatron_gpt(**CFG, zero=mesh)
     C.drop_cache([path], drop)
-    with C.Meter() as m:
-        with ucl.open(path) as ckpt:
-            t0 = time.perf_counter()
-            got = ucl.load(ckpt, layout=layout, mesh=mesh, rank=rank, flat=True)
-            secs = time.perf_counter() - t0
-            read = ckpt.bytes_read
+    with C.Meter() as m, ucl.open(path) as ckpt:
+        t0 = time.perf_counter()
+        got = ucl.load(ckpt, layout=layout, mesh=mesh, rank=rank, flat=True)
+        secs = time.perf_counter() - t0
+        read = ckpt.bytes_read
     local = sum(t.numel() * t.element_size() for t in got.values())
     flat = sum(t.numel() * t.element_size() for n, t in got.items() if n.startswith("optim/flat"))
     return m.result(bytes_read=read, local=local, flat=flat, load_s=secs)
@@ -130,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if a.dir is None:
             shutil.rmtree(d, ignore_errors=True)
-    print(f"`./dev bench reshard_flat --reps {a.reps}{' --tiny' if a.tiny else ''}`\n\n{C.machine_line()}; megatron_gpt {CFG} + exp_avg, "
+    print(f"`./dev bench reshard_flat --reps {a.reps}{' --tiny' if a.tiny else ''}`\n\n{C.machine_line()}; "
+          f"megatron_gpt {CFG} + exp_avg, "
           f"(pp, dp, tp) source -> target; median of {a.reps} fresh processes, cold cache; total "
           f"{time.perf_counter() - t_all:.0f} s.\n")
     print(C.markdown_table(["(pp, dp, tp)", "rank", "local", "of it flat buffers", "ucl read", "read / local",

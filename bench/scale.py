@@ -13,10 +13,11 @@ protocol, ucl/plan/summary.py) over a simulated group that hands it every other 
 made by the functions those ranks run (``compact_summary``, ``compact_arrays``), and counts the bytes as
 gloo carries them: ``gather_object`` pads every rank's object to the largest one's size; ``collect`` is
 point to point (only the representatives send); unpickling is timed as the coordinator's. Only the
-payloads' bytes are kept, so the coordinator's heap is its own. Metadata: the step's documents (``ucl.write.step.step_documents``) and the
-commit record (``CommitRecord`` of every rank's shard files) as a save writes them; and the same for the
-next step stored as a delta of it with every shape kept ("delta step (all)": documents and record, every
-shard rewritten; its logical records are its parent's, by reference).
+payloads' bytes are kept, so the coordinator's heap is its own. Metadata: the step's documents
+(``ucl.write.step.step_documents``) and the commit record (``CommitRecord`` of every rank's shard files) as
+a save writes them; and the same for the next step stored as a delta of it with every shape kept ("delta
+step (all)": documents and record, every shard rewritten; its logical records are its parent's, by
+reference).
 
 DCP: each rank's local plan is what ``DefaultSavePlanner.create_local_plan`` makes of the same local
 tensors held as evenly sharded DTensors (one WriteItem per local tensor: fqn, global offset, sizes,

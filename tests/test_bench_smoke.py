@@ -118,7 +118,8 @@ def test_goodput_bench_prints_every_case() -> None:
     child exits 0 after the last step) and has a row; the ideal run's ETTR is 1."""
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "goodput.py"), "--preset", "tiny", "--steps", "6",
                            "--mtbf", "100000", "--seeds", "1", "--dcp-every", "3"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _rows(proc.stdout)
     for case in ["no checkpoint, no failure", "ucl tiered", "ucl tiered, Young/Daly", "ucl disk", "DCP async every 3"]:

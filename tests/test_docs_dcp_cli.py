@@ -59,7 +59,8 @@ def test_doc_snippets_run(name, tmp_path, monkeypatch, capsys) -> None:
         if lang == "python":
             exec(compile(body, where, "exec"), ns)  # noqa: S102 - our own documentation
             ran["python"] += 1
-        elif lang == "sh" and next((x for x in body.splitlines() if x and not x.startswith("#")), "").startswith("ucl "):
+        elif (lang == "sh"
+              and next((x for x in body.splitlines() if x and not x.startswith("#")), "").startswith("ucl ")):
             ran["sh"] += run_sh(body, where)
     capsys.readouterr()
     assert ran["python"] >= 5 and ran["sh"] >= 2, ran  # the page really was exercised

@@ -23,7 +23,8 @@ def test_quickstart_survives_a_kill_and_resumes(tmp_path: Path) -> None:
     code = _quickstart()
     assert "range(start, 1000)" in code
     script = tmp_path / "quickstart.py"
-    script.write_text("import torch; torch.set_num_threads(1)\n" + code.replace("range(start, 1000)", "range(start, 20)"))
+    script.write_text("import torch; torch.set_num_threads(1)\n"
+                      + code.replace("range(start, 1000)", "range(start, 20)"))
     p = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path)
     commits = tmp_path / "ckpt" / "commits"
     deadline = time.monotonic() + 120

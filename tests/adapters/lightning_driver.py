@@ -107,8 +107,8 @@ def main() -> None:
         callbacks.append(KillAt(a.root, a.kill_at))
     ddp = {"devices": a.devices, "strategy": "ddp"} if a.devices > 1 else {"devices": 1}
     trainer = L.Trainer(max_steps=MAX_STEPS, accelerator="cpu", **ddp, logger=False, callbacks=callbacks,
-                        plugins=[p for p in [plugin(a.mode)] if p is not None], enable_progress_bar=False, enable_model_summary=False,
-                        deterministic=True, default_root_dir=a.root)
+                        plugins=[p for p in [plugin(a.mode)] if p is not None], enable_progress_bar=False,
+                        enable_model_summary=False, deterministic=True, default_root_dir=a.root)
     trainer.fit(model, loader, ckpt_path="last" if a.resume else None)
     opt = trainer.optimizers[0]
     if trainer.global_rank != 0:

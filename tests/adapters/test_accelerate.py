@@ -38,7 +38,7 @@ def test_kill_and_resume_identical(tmp_path: Path) -> None:
     # the repository is a plain ucl one: the model at its own parameter names, validated
     assert ucl.validate(killed / "ckpt").ok
     with ucl.open(killed / "ckpt") as ck:
-        assert "models/0/0.weight" in ck.keys() and "optimizers/0/state/0/exp_avg" in ck.keys()
+        assert "models/0/0.weight" in ck and "optimizers/0/state/0/exp_avg" in ck
 
 
 def _prepared(acc: Accelerator, n_models: int) -> list[torch.nn.Module]:

@@ -95,7 +95,8 @@ def test_chunk_grid_refuses_holes_overlaps_and_too_fine_grids() -> None:
 
 
 def test_tree_from_paths_matches_dcp_set_element() -> None:
-    tree = ucl.adapters.dcp.tree_from_paths({("a", "x"): {"t": "tensor", "name": "a/x"}, ("l", 2): {"t": "value", "v": 1}})
+    tree = ucl.adapters.dcp.tree_from_paths({("a", "x"): {"t": "tensor", "name": "a/x"},
+                                             ("l", 2): {"t": "value", "v": 1}})
     assert tree == {"t": "dict", "items": [
         ["a", {"t": "dict", "items": [["x", {"t": "tensor", "name": "a/x"}]]}],
         ["l", {"t": "list", "items": [{"t": "value", "v": None}, {"t": "value", "v": None}, {"t": "value", "v": 1}]}]]}

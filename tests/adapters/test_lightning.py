@@ -37,7 +37,8 @@ def checkpoint() -> dict:
             "optimizer_states": [{"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(3, 4)}},
                                   "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0], "fused": None}]}],
             "callbacks": {"ModelCheckpoint{'monitor': None, 'mode': 'min'}": {
-                "best_model_score": torch.tensor(float("inf")), "dirpath": "/x/ckpt", "best_k_models": {"/x/a.ckpt": 1.5}}},
+                "best_model_score": torch.tensor(float("inf")), "dirpath": "/x/ckpt",
+                "best_k_models": {"/x/a.ckpt": 1.5}}},
             "hyper_parameters": AttributeDict(hidden=16, name="mlp", color=Color.RED),
             "odd": {(1, 2): "tuple key", "": "empty", "a/b": 1.5, 2 ** 70: {1, 2}}, "nan": float("nan")}
 

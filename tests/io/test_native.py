@@ -390,8 +390,10 @@ def test_special_files_are_never_written(tmp_path: Path) -> None:
     link = tmp_path / "link"
     link.symlink_to(outside)
     with FileWriter(threads=1, direct=False) as w:
-        _raises(w, w.submit(fifo, [b"data"]), errno.ENXIO, f"No such device or address while opening {fifo} at offset 0")
-        _raises(w, w.submit(link, [b"data"]), errno.ELOOP, f"Too many levels of symbolic links while opening {link} at offset 0")
+        _raises(w, w.submit(fifo, [b"data"]), errno.ENXIO,
+                f"No such device or address while opening {fifo} at offset 0")
+        _raises(w, w.submit(link, [b"data"]), errno.ELOOP,
+                f"Too many levels of symbolic links while opening {link} at offset 0")
     assert outside.read_bytes() == b"keep"
 
 

@@ -201,7 +201,8 @@ def test_header_is_required():
     with raises(errors.InvalidLayoutError, "line 1, column 1: grouped (spec/layout.md §7.10) needs layout version 2; "
                 "this layout declares version 1"):
         parse_layout('ucl-layout 1\n"w": grouped(0, 2, q=4, k=2, v=2)\n')
-    with raises(errors.InvalidLayoutError, "line 2, column 1: grouped part 'k' has 3 units, not a multiple of its 2 groups"):
+    with raises(errors.InvalidLayoutError,
+                "line 2, column 1: grouped part 'k' has 3 units, not a multiple of its 2 groups"):
         parse_layout('ucl-layout 2\n"w": grouped(0, 2, q=4, k=3, v=2)\n')
 
 

@@ -127,7 +127,7 @@ def test_edge_chunks_of_a_row_slice_read_in_part(tmp_path: Path, monkeypatch: py
     shard = tmp_path / "steps" / "0" / "w" / "c" / "0" / "0"
     raw = shard.read_bytes()
     chunk = 7 * 8 * 4 + 4  # bytes of an inner chunk with its crc32c; chunk 1 holds rows 7..13
-    for row, what in ((8, "outside the rows taken"), (11, "inside the rows taken")):
+    for row, _what in ((8, "outside the rows taken"), (11, "inside the rows taken")):
         bad = bytearray(raw)
         bad[chunk + (row - 7) * 32 + 5] ^= 0x10
         shard.write_bytes(bytes(bad))

@@ -86,7 +86,7 @@ def expected_fixture(repo: Path) -> dict[Path, dict[str, list]]:
         with ucl.open(repo, step) as ck:
             out[repo / "steps" / str(step)] = {
                 names.to_key(n): [list(ck[n].shape), from_torch(ck[n].dtype),
-                                  hashlib.sha256(bits(ck[n][...])).hexdigest()] for n in ck.keys()}
+                                  hashlib.sha256(bits(ck[n][...])).hexdigest()] for n in ck}
     return out
 
 

@@ -124,7 +124,8 @@ def test_diff_statistics(tmp_path) -> None:
     a = {"w": torch.tensor([1.0, 2.0, 3.0, 4.0]), "z": torch.tensor([0.0, 1.0]), "n": torch.tensor([1.0, 2.0]),
          "i": torch.arange(6, dtype=torch.int32).reshape(2, 3), "s": torch.tensor(2.5), "gone": torch.ones(1),
          "shape": torch.ones(2)}
-    b = {"w": torch.tensor([1.0, 2.0, 3.0, 5.0]), "z": torch.tensor([-0.0, 1.0]), "n": torch.tensor([float("nan"), 2.0]),
+    b = {"w": torch.tensor([1.0, 2.0, 3.0, 5.0]), "z": torch.tensor([-0.0, 1.0]),
+         "n": torch.tensor([float("nan"), 2.0]),
          "i": torch.arange(6, dtype=torch.int32).reshape(2, 3), "s": torch.tensor(2.5), "new": torch.ones(1),
          "shape": torch.ones(3)}
     ucl.save(a, tmp_path / "a", step=0)
@@ -298,7 +299,8 @@ def test_import_export_commands(capsys, tmp_path) -> None:
     save_file(ts, tmp_path / "m.safetensors")
     rc, out, err = run(capsys, "import", str(tmp_path / "m.safetensors"), str(tmp_path / "r"))
     assert rc == 0 and err == ""  # no progress bar when stderr is not a terminal
-    assert out == f"imported {tmp_path / 'm.safetensors'} (safetensors, 2 tensors, 0.0 MB) as step 0 of {tmp_path / 'r'}\n"
+    assert out == (f"imported {tmp_path / 'm.safetensors'} (safetensors, 2 tensors, 0.0 MB) as step 0 of "
+                   f"{tmp_path / 'r'}\n")
     rc, out, _ = run(capsys, "import", str(tmp_path / "m.safetensors"), str(tmp_path / "r"), "--step", "5", "--json")
     assert rc == 0 and json.loads(out) == {"step": 5, "source": "safetensors", "tensors": 2, "bytes": 88,
                                            "src": str(tmp_path / "m.safetensors"), "dst": str(tmp_path / "r")}

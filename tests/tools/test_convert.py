@@ -130,7 +130,8 @@ def test_single_file_and_plain_directory_import(tmp_path) -> None:
 
 def test_torch_save_import_keeps_nesting_and_values(tmp_path) -> None:
     state = {"model": {"w": torch.randn(5, 4), "b": torch.arange(3, dtype=torch.int32)},
-             "optim": {"state": {0: {"exp_avg": torch.ones(5, 4)}}, "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95)}]},
+             "optim": {"state": {0: {"exp_avg": torch.ones(5, 4)}},
+                       "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95)}]},
              "epoch": 3}
     torch.save(state, tmp_path / "ckpt.pt")
     assert source_kind(tmp_path / "ckpt.pt") == "torch"
@@ -152,7 +153,9 @@ class Opaque:
 
 def test_torch_save_with_arbitrary_objects_is_refused(tmp_path) -> None:
     torch.save({"w": torch.ones(2), "obj": Opaque()}, tmp_path / "bad.pt")
-    with pytest.raises(InvalidArgumentError, match=r"bad.pt cannot be loaded with weights_only=True: it holds objects other than tensors and plain values \(Unsupported global: GLOBAL tests.tools.test_convert.Opaque\)"):
+    with pytest.raises(InvalidArgumentError, match=r"bad.pt cannot be loaded with weights_only=True: it holds objects "
+                       r"other than tensors and plain values \(Unsupported global: GLOBAL "
+                       r"tests.tools.test_convert.Opaque\)"):
         import_checkpoint(tmp_path / "bad.pt", tmp_path / "repo")
     assert not (tmp_path / "repo").exists()
     (tmp_path / "junk.bin").write_bytes(b"not a checkpoint")
@@ -185,7 +188,8 @@ def test_dcp_metadata_with_foreign_globals_is_refused(tmp_path) -> None:
     dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "dcp"))
     assert read_dcp_metadata(str(tmp_path / "dcp")).state_dict_metadata["w"].size == torch.Size([2])
     (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(Opaque()))
-    with pytest.raises(InvalidArgumentError, match="refers to tests.tools.test_convert.Opaque, which ucl does not unpickle"):
+    with pytest.raises(InvalidArgumentError,
+                       match="refers to tests.tools.test_convert.Opaque, which ucl does not unpickle"):
         import_checkpoint(tmp_path / "dcp", tmp_path / "repo")
 
 

@@ -122,7 +122,8 @@ def test_selection_errors_name_the_problem(tmp_path) -> None:
     assert e.tensors == 2 and e.skipped_values == []  # optim.lr is outside the selection
     r = ucl_cli("export", str(tmp_path / "r"), str(tmp_path / "o2"), "--tensors", "nope")
     assert r.returncode == 1 and "'nope' selects no tensor" in r.stderr
-    r = ucl_cli("export", str(tmp_path / "r"), str(tmp_path / "o2"), "--tensors", "model/,optim/", "--strip-prefix", "o")
+    r = ucl_cli("export", str(tmp_path / "r"), str(tmp_path / "o2"), "--tensors", "model/,optim/",
+                "--strip-prefix", "o")
     assert r.returncode == 1 and "'o' does not begin tensor 'model/w'" in r.stderr
 
 

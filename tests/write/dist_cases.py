@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -57,10 +58,8 @@ def save_with_failing_rank(rank: int, world: int, path: str, bad_rank: int) -> d
             outcome = f"{type(e).__name__}: {e}"
         finally:
             _native.inject_fault(None)
-        try:
+        with contextlib.suppress(Exception):  # already reported through the handle
             mgr.wait()
-        except Exception:  # noqa: BLE001 - already reported through the handle
-            pass
         latest = mgr.latest_step()
     return {"rank": rank, "outcome": outcome, "latest": latest}
 
@@ -90,8 +89,9 @@ def save_gradient_records(rank: int, world: int, path: str, steps: int) -> dict[
             opt.step()
             st = {"model": model.state_dict(), "optim": opt.state_dict()}
             flat, _ = structure.flatten(st)
-            digests[step] = {n: hashlib.sha256(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-                             for n, t in flat.items()}
+            digests[step] = {
+                n: hashlib.sha256(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                for n, t in flat.items()}
             mgr.save(step, st, optimizer=opt)
         mgr.wait()
     return {"rank": rank, "digests": digests}

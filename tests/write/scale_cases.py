@@ -8,11 +8,10 @@ from typing import Any
 import torch
 
 import ucl
+from tests.reshard.gptstate import nest  # the state as a training loop holds it
 from ucl.layout import Mesh, parse_layout
 from ucl.testing.layout_reference import shard_local_state
 from ucl.write.manager import CheckpointManager
-
-from tests.reshard.gptstate import nest  # the state as a training loop holds it
 
 TP = 4
 

@@ -111,7 +111,9 @@ class UclAcceleratorState:
         if step is None and not self.manager.steps():
             return None
         state, mine = self.manager.restore(step, rank_state=True)
-        restored = self.manager.last_restore.step if step is None else step
+        report = self.manager.last_restore
+        assert report is not None  # restore() sets it on every path that returns
+        restored = report.step if step is None else step
         acc = self.accelerator
         _load_each("models", state["models"], [acc.unwrap_model(m) for m in acc._models])
         _load_each("optimizers", state["optimizers"], acc._optimizers)

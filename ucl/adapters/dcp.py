@@ -410,7 +410,8 @@ def _lookup_object(planner: SavePlanner, item: WriteItem) -> Any:
         return torch.load(data, weights_only=True)  # type: ignore[arg-type]
     except Exception as e:  # noqa: BLE001 - any unpickling failure means: not a plain value
         raise InvalidArgumentError(f"DCP value {item.index.fqn!r} is not a plain value ({type(e).__name__}); ucl "
-                                   "stores tensors and JSON-able values, never pickles", tensor=item.index.fqn) from None
+                                   "stores tensors and JSON-able values, never pickles",
+                                   tensor=item.index.fqn) from None
 
 
 def _write_item(writer: StepWriter, meta: ArrayMeta, item: WriteItem, data: Any) -> dict[str, tuple[int, int]]:

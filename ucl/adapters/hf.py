@@ -31,7 +31,7 @@ import os
 import random
 import shutil
 import tempfile
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -67,7 +67,9 @@ class UclTrainer(Trainer):
     def __init__(self, *args: Any, ucl_path: str | os.PathLike[str] | None = None, ucl_async: bool = True,
                  ucl_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.ucl_path = os.fspath(ucl_path) if ucl_path is not None else os.path.join(self.args.output_dir, "ucl")
+        # TrainingArguments types output_dir Optional; its __post_init__ has made it a str
+        self.ucl_path = (os.fspath(ucl_path) if ucl_path is not None
+                         else os.path.join(self.args.output_dir, "ucl"))  # type: ignore[arg-type]
         self.ucl_async = ucl_async
         self.ucl_options = dict(ucl_options or {})
         self._ucl_mgr: CheckpointManager | None = None
@@ -84,19 +86,21 @@ class UclTrainer(Trainer):
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
+        # TrainerState types stateful_callbacks as a list; its __post_init__ has made it a dict by name
+        stateful = cast(dict[str, Any], self.state.stateful_callbacks)
         for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
             name, cb_state = cb.__class__.__name__, cb.state()
-            if isinstance(self.state.stateful_callbacks[name], list):
-                self.state.stateful_callbacks[name].append(cb_state)
+            if isinstance(stateful[name], list):
+                stateful[name].append(cb_state)
             else:
-                self.state.stateful_callbacks[name] = cb_state
+                stateful[name] = cb_state
         state: dict[str, Any] = {
             "model": self.accelerator.unwrap_model(self.model).state_dict(),
             "trainer_state": json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n",
         }
-        if not self.args.save_only_model:
-            state["optimizer"] = self.optimizer.state_dict()
-            state["scheduler"] = self.lr_scheduler.state_dict()
+        if not self.args.save_only_model:  # Trainer types these Optional; training has created them
+            state["optimizer"] = self.optimizer.state_dict()  # type: ignore[union-attr]
+            state["scheduler"] = self.lr_scheduler.state_dict()  # type: ignore[union-attr]
             scaler = getattr(self.accelerator, "scaler", None)
             if scaler is not None:
                 state["scaler"] = scaler.state_dict()
@@ -153,15 +157,17 @@ class UclTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         if self._ucl_resume is None:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        (model if model is not None else self.model).load_state_dict(self._ucl_resume["model"])
+        # Trainer types model Optional; train() has set it (from model_init if need be) before loading
+        (model if model is not None else self.model).load_state_dict(  # type: ignore[union-attr]
+            self._ucl_resume["model"])
         return None
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if self._ucl_resume is None or checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        if "optimizer" in self._ucl_resume:
-            self.optimizer.load_state_dict(self._ucl_resume["optimizer"])
-            self.lr_scheduler.load_state_dict(self._ucl_resume["scheduler"])
+        if "optimizer" in self._ucl_resume:  # Trainer types these Optional; train() creates them before this call
+            self.optimizer.load_state_dict(self._ucl_resume["optimizer"])  # type: ignore[union-attr]
+            self.lr_scheduler.load_state_dict(self._ucl_resume["scheduler"])  # type: ignore[union-attr]
         return None
 
     def _load_scaler(self, checkpoint: str | None) -> None:

@@ -101,7 +101,8 @@ def encode(obj: dict[str, Any]) -> dict[str, Any]:
             return [walk(v, [*path, i]) for i, v in enumerate(x)]
         if type(x) is tuple:
             return tuple(walk(v, [*path, i]) for i, v in enumerate(x))
-        if isinstance(x, np.ndarray) and type(x) is np.ndarray and x.dtype.kind in "biufc" and x.dtype.byteorder in "=|<":
+        if (isinstance(x, np.ndarray) and type(x) is np.ndarray and x.dtype.kind in "biufc"
+                and x.dtype.byteorder in "=|<"):
             try:
                 t = torch.from_numpy(np.ascontiguousarray(x))
                 dtypes.from_torch(t.dtype)

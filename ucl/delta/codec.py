@@ -102,7 +102,7 @@ def payload_bound(nbytes: int, word: int) -> int:
     return int(_native().bound(nbytes, word))
 
 
-def payload_mode(payload: bytes | memoryview) -> str:
+def payload_mode(payload: bytes | memoryview | bytearray) -> str:
     """The mode of a payload: ``"full"``, ``"xor"`` or ``"sub"``; raises PayloadError for others."""
     if len(payload) == 0:
         raise PayloadError("delta payload: empty (no mode byte)")

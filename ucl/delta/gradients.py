@@ -253,8 +253,8 @@ def locate(optimizer: Any, tensors: Mapping[str, Any]) -> tuple[list[str], str |
         laid out as ``optimizer.state_dict()`` lays them out.
     """
     by_ptr: dict[tuple[Any, ...], str] = {}
-    for n, t in tensors.items():
-        by_ptr.setdefault((t.data_ptr(), tuple(t.shape), t.dtype, t.device), n)
+    for name, t in tensors.items():
+        by_ptr.setdefault((t.data_ptr(), tuple(t.shape), t.dtype, t.device), name)
     params = _params(optimizer)
     names_ = []
     for i, p in enumerate(params):
@@ -322,6 +322,7 @@ def _optimizer_class(name: str) -> Any:
 def _construct(cls: Any, groups: list[dict[str, Any]], options: Mapping[str, Any]) -> Any:
     import inspect
 
+    accepted: Mapping[str, Any]
     try:
         accepted = inspect.signature(cls.__init__).parameters
     except (TypeError, ValueError):  # pragma: no cover - builtins
@@ -335,7 +336,7 @@ def _at(state: Any, prefix: str) -> Any:
     for seg in prefix.split("/"):
         if isinstance(node, Mapping) and seg in node:
             node = node[seg]
-        elif isinstance(node, Mapping) and seg.isdigit() and int(seg) in node:
+        elif isinstance(node, Mapping) and seg.isdigit() and int(seg) in node:  # noqa: SIM114 - an arm per container
             node = node[int(seg)]
         elif isinstance(node, list | tuple) and seg.isdigit() and int(seg) < len(node):
             node = node[int(seg)]
@@ -389,7 +390,9 @@ def replay_records(
             raise UnknownExtensionError(f"{what}: the parent's param_groups name parameters outside the record")
         groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [params[i] for i in idx]})
     if len(groups) != len(rec.param_groups):
-        raise UnknownExtensionError(f"{what}: {len(rec.param_groups)} recorded param groups, the parent has {len(groups)}")
+        raise UnknownExtensionError(
+            f"{what}: {len(rec.param_groups)} recorded param groups, the parent has {len(groups)}"
+        )
     opt = _construct(cls, groups, rec.fingerprint.options)
     opt.load_state_dict(sd)
     for group, hyper in zip(opt.param_groups, rec.param_groups, strict=True):

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -108,7 +109,5 @@ class WriterLock:
 
     def __del__(self) -> None:  # a lock dropped unreleased (a writer that failed): local flock only
         if getattr(self, "fd", None) is not None and not self._released:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(self.fd)  # type: ignore[arg-type]
-            except OSError:
-                pass

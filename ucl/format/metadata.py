@@ -185,7 +185,7 @@ def _shipped() -> dict[tuple[str, str], Any]:
         from ucl.format import _schemas_compiled as shipped
     except ImportError:
         return {}
-    return shipped.ENTRIES if shipped.DIGEST == schemas_digest() else {}
+    return shipped.ENTRIES if schemas_digest() == shipped.DIGEST else {}
 
 
 def load_checks() -> None:
@@ -235,7 +235,8 @@ def check_logical(rec: Any, what: str, tensor: str | None = None) -> None:
 def check_extensions(exts: list[dict[str, Any]], what: str) -> None:
     for ext in exts:
         if ext["name"] not in KNOWN_EXTENSIONS and ext.get("must_understand", True):
-            raise UnknownExtensionError(f"{what} requires extension {ext['name']!r}, which this reader does not know", file=what)
+            raise UnknownExtensionError(f"{what} requires extension {ext['name']!r}, which this reader does not know",
+                                        file=what)
 
 
 def now() -> str:
@@ -391,16 +392,18 @@ class ArrayMeta:
         name = names.check_name(doc["attributes"]["ucl"]["name"])
         if not (len(shape) == len(chunk) == len(inner)):
             raise InconsistentMetadataError(
-                f"{what}: shape {list(shape)}, chunk shape {list(chunk)} and inner chunk shape {list(inner)} differ in rank",
-                tensor=name, file=what)
+                f"{what}: shape {list(shape)}, chunk shape {list(chunk)} and inner chunk shape {list(inner)} "
+                "differ in rank", tensor=name, file=what)
         if any(c % i for c, i in zip(chunk, inner, strict=True)):
             raise InconsistentMetadataError(
-                f"{what}: inner chunk shape {list(inner)} does not divide chunk shape {list(chunk)}", tensor=name, file=what)
+                f"{what}: inner chunk shape {list(inner)} does not divide chunk shape {list(chunk)}", tensor=name,
+                file=what)
         n = 1
         for s in shape:
             n *= s
             if n * dtypes.itemsize(dtype) > MAX_ELEMENTS:
-                raise LimitExceededError(f"{what}: shape {list(shape)} holds more than 2^62 bytes", tensor=name, file=what)
+                raise LimitExceededError(f"{what}: shape {list(shape)} holds more than 2^62 bytes", tensor=name,
+                                         file=what)
         if math.prod(c // i for c, i in zip(chunk, inner, strict=True)) > MAX_INNER_CHUNKS_PER_SHARD:
             raise LimitExceededError(f"{what}: more than 2^24 inner chunks per shard", tensor=name, file=what)
         if math.prod(inner) * dtypes.itemsize(dtype) > 1 << 31:
@@ -413,7 +416,8 @@ class ArrayMeta:
         if delta is not None:
 
             if [c["name"] for c in codecs] != ["ucl.delta", "crc32c"]:
-                raise InconsistentMetadataError(f"{what}: a delta array's inner codecs must be [ucl.delta, crc32c]", tensor=name, file=what)
+                raise InconsistentMetadataError(f"{what}: a delta array's inner codecs must be [ucl.delta, crc32c]",
+                                                tensor=name, file=what)
             record = DeltaRecord.from_dict(delta, f"{what}: attributes.ucl.delta")
             if record.mode == "chunked":
                 parse_codec(codecs[0], record, f"{what}: ucl.delta codec")
@@ -421,10 +425,13 @@ class ArrayMeta:
             names_ = [c["name"] for c in codecs]
             unknown = [c for c in codecs if c["name"] not in ("bytes", "zstd", "crc32c")]
             if unknown:
-                raise UnknownExtensionError(f"{what}: codec {unknown[0]['name']!r} is not part of UCL v1", tensor=name, file=what)
+                raise UnknownExtensionError(f"{what}: codec {unknown[0]['name']!r} is not part of UCL v1", tensor=name,
+                                            file=what)
             if names_ not in (["bytes", "crc32c"], ["bytes", "zstd", "crc32c"]):
-                raise SchemaError(f"{what}: inner codecs must be [bytes, crc32c] or [bytes, zstd, crc32c], found {names_}", tensor=name, file=what)
-            if codecs[0] != expected_first and _strip(codecs[0]) != _strip(expected_first) and not (dtypes.itemsize(dtype) == 1 and codecs[0].get("configuration")):
+                raise SchemaError(f"{what}: inner codecs must be [bytes, crc32c] or [bytes, zstd, crc32c], found "
+                                  f"{names_}", tensor=name, file=what)
+            if (codecs[0] != expected_first and _strip(codecs[0]) != _strip(expected_first)
+                    and not (dtypes.itemsize(dtype) == 1 and codecs[0].get("configuration"))):
                 raise SchemaError(f"{what}: inner bytes codec must be little-endian", tensor=name, file=what)
             if len(codecs) == 3:
                 compression = codecs[1]
@@ -758,7 +765,8 @@ class StepMeta:
         checks span its arrays (gradient records, composite); everything else is checked here."""
         version = _format_version(doc)
         if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
-            raise UnsupportedVersionError(f"{what}: format version {version}; this reader knows up to {FORMAT_VERSION}", file=what)
+            raise UnsupportedVersionError(f"{what}: format version {version}; this reader knows up to {FORMAT_VERSION}",
+                                          file=what)
         check_schema(doc, "step", what)
         ucl = doc["attributes"]["ucl"]
         version = ucl["format_version"]
@@ -785,7 +793,8 @@ class StepMeta:
         replayed = _replayed(ucl, referenced, arrays, what)
         if not referenced - replayed <= set(arrays):
             missing = sorted(referenced - replayed - set(arrays))[0]
-            raise InconsistentMetadataError(f"{what}: the structure tree names tensor {missing!r}, which has no array", tensor=missing, file=what)
+            raise InconsistentMetadataError(f"{what}: the structure tree names tensor {missing!r}, which has no array",
+                                            tensor=missing, file=what)
         if ucl["kind"] == "delta" and ucl.get("parent") is None:
             raise InconsistentMetadataError(f"{what}: a delta step must name its parent", file=what)
         _check_composite(ucl, arrays, what)
@@ -865,7 +874,8 @@ def _replayed(ucl: dict[str, Any], referenced: set[str], arrays: dict[str, Array
     for n in rec.parameters:
         g = arrays.get(rec.gradient_name(n))
         if g is not None and g.delta is not None:
-            raise InconsistentMetadataError(f"{what}: gradient {g.name!r} must be stored full", tensor=g.name, file=what)
+            raise InconsistentMetadataError(f"{what}: gradient {g.name!r} must be stored full", tensor=g.name,
+                                            file=what)
     return replayed
 
 

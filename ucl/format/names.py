@@ -100,7 +100,8 @@ def _from_key(key: str) -> str:
 
 #: A key of plain segments (each escapes to itself) within the limits of a name: the common case, checked
 #: in one match. Anything else takes the segment-by-segment path, which names the problem.
-_PLAIN_KEY = re.compile(r"[A-Za-z0-9._-]{1,255}(?:/[A-Za-z0-9._-]{1,255}){0,%d}" % (MAX_DEPTH - 1))
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9._-]{1,255}(?:/[A-Za-z0-9._-]{1,255}){0,%d}"  # noqa: UP031 - regex braces
+                        % (MAX_DEPTH - 1))
 _SPECIAL_SEGMENT = re.compile(r"(?:^|/)(?:\.\.?(?:/|$)|__)")
 
 

@@ -201,7 +201,7 @@ def as_bytes(t: torch.Tensor) -> memoryview:
     flat = t.reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
 @dataclass(frozen=True)
@@ -392,7 +392,8 @@ def parse_index(meta: ArrayMeta, raw: bytes, file_size: int, where: str) -> np.n
                              f"{index_nbytes(n)}-byte index)", tensor=meta.name, file=where)
     body, crc = raw[:-4], _CRC.unpack(raw[-4:])[0]
     if _native.crc32c(body) != crc:
-        raise ChecksumError(f"{where}: shard index of tensor {meta.name!r} fails its crc32c", tensor=meta.name, file=where)
+        raise ChecksumError(f"{where}: shard index of tensor {meta.name!r} fails its crc32c", tensor=meta.name,
+                            file=where)
     index = np.frombuffer(body, dtype="<u8").reshape(n, 2)
     data_end = file_size - index_nbytes(n)
     present = index[:, 0] != EMPTY

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from ucl import _engine  # type: ignore[attr-defined]  # the C extension, without stubs
+from ucl import _engine  # the C extension; its types: ucl/_engine.pyi
 from ucl.errors import InvalidArgumentError, WriteError
 
 if TYPE_CHECKING:

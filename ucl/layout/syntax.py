@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from ucl.errors import InvalidLayoutError, LayoutSyntaxError
 from ucl.layout.mesh import Mesh
 from ucl.layout.model import (
-    VERSION,
     VERSIONS,
-    Grouped,
     Flat,
     Fused,
+    Grouped,
     Layout,
     Pad,
     Part,

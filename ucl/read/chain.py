@@ -13,7 +13,8 @@ them); :meth:`ChainReader.read` is the same for one box:
    in as few reads as possible (a shard needed whole, small enough and whose index is not cached yet:
    one read of the whole file; else the index, cached per step, then each run of adjacent chunks in one
    read), through the step's :class:`~ucl.io.ranges.RangeReader` (large ranges not in the page cache with
-   O_DIRECT), into buffers of the process's pool (fresh pages cost more to fault in than the copy). Each chunk's crc32c is verified there.
+   O_DIRECT), into buffers of the process's pool (fresh pages cost more to fault in than the copy). Each chunk's
+   crc32c is verified there.
    What reading a chunk gives (its payload, absent, or the error reading it raised) is kept, not raised.
    Groups reading little (``small_bytes``) are fetched and rebuilt a batch to a task: their reads are
    latency, and a task each would cost more than they do.

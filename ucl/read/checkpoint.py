@@ -269,8 +269,8 @@ class Checkpoint:
             return
         ranges = [range(a // c, -(-(a + n) // c)) for a, n, c in zip(start, shape, meta.chunk_shape, strict=True)]
         if math.prod(len(r) for r in ranges) > len(self.record.files):
-            raise MissingShardError(f"tensor {meta.name!r} needs {math.prod(len(r) for r in ranges)} shards; the commit "
-                                    f"record of step {self.step} lists {len(self.record.files)} files",
+            raise MissingShardError(f"tensor {meta.name!r} needs {math.prod(len(r) for r in ranges)} shards; the "
+                                    f"commit record of step {self.step} lists {len(self.record.files)} files",
                                     tensor=meta.name, file=meta.key)
         for coords in itertools.product(*ranges):
             self._files.shard(meta, coords)
@@ -339,7 +339,8 @@ class Checkpoint:
             out = {n: alloc(n, d, s) for n, (s, d) in info.items()}
         elif self.records is not None:
             replayed = self.replayed()  # cached for later reads: the caller gets copies it may modify
-            out = {n: (replayed[n].clone() if n in replayed else alloc(n, self.meta.arrays[n].dtype, self.meta.arrays[n].shape))
+            out = {n: (replayed[n].clone() if n in replayed
+                       else alloc(n, self.meta.arrays[n].dtype, self.meta.arrays[n].shape))
                    for n in self._tree_names()}
             self.load_into({n: t for n, t in out.items() if n not in replayed})
             return out if flat else structure.unflatten(self.meta.tree, out)
@@ -361,7 +362,8 @@ class Checkpoint:
         ops: list[BoxCopy] = []
         for n, t in tensors.items():
             lt = self[n]
-            if tuple(t.shape) != tuple(lt.shape) or t.dtype != lt.dtype or not t.is_contiguous() or t.device.type != "cpu":
+            if (tuple(t.shape) != tuple(lt.shape) or t.dtype != lt.dtype or not t.is_contiguous()
+                    or t.device.type != "cpu"):
                 raise InvalidArgumentError(f"destination for {n!r} must be a contiguous CPU {lt.dtype} tensor of shape "
                                            f"{list(lt.shape)}, got {t.dtype} {list(t.shape)}", tensor=n)
             if isinstance(lt, ReplayedTensor):

@@ -116,8 +116,8 @@ class StepFiles:
         if now == self.record:
             return None
         how = "its commit record is gone" if now is None else "its commit record was replaced (compacted)"
-        return StepRemovedError(f"step {self.step} was removed while it was read ({how})" + (f": {what}" if what else ""),
-                                file=commit_key(self.step))
+        return StepRemovedError(f"step {self.step} was removed while it was read ({how})"
+                                + (f": {what}" if what else ""), file=commit_key(self.step))
 
     def missing(self, key: str, name: str) -> UCLError:
         """The error for a listed shard that is not there: ``step_removed`` when the step was removed while

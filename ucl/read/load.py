@@ -136,7 +136,7 @@ def load(
 
 def view_plan(ckpt: Checkpoint, view: Any) -> dict[str, Any]:
     """``{target name: Take}`` of ``view`` over the step's logical tensors (no I/O)."""
-    shapes = {n: tuple(ckpt[n].shape) for n in ckpt.keys()}
+    shapes = {n: tuple(ckpt[n].shape) for n in ckpt}
     return as_view(view).plan(shapes, ckpt.layout)
 
 

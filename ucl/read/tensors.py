@@ -176,7 +176,8 @@ class ReplayedTensor(LazyTensor):
         return out
 
 
-def normalize_index(key: Any, shape: tuple[int, ...], name: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[Any, ...]]:
+def normalize_index(key: Any, shape: tuple[int, ...],
+                    name: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[Any, ...]]:
     """Basic indexing -> the covering box and the indexing to apply to it (:func:`apply_post`).
 
     numpy's rules: ints (negative from the end), slices of any nonzero step, one Ellipsis, None (a new

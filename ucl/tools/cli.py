@@ -88,7 +88,8 @@ def cmd_validate(a: argparse.Namespace) -> int:
     else:
         for p in report.problems:
             where = " ".join(x for x in [f"step {p.step}" if p.step is not None else "",
-                                         f"tensor {p.tensor!r}" if p.tensor else "", f"file {p.file}" if p.file else ""] if x)
+                                         f"tensor {p.tensor!r}" if p.tensor else "",
+                                         f"file {p.file}" if p.file else ""] if x)
             print(f"INVALID [{p.code}] {p.message}" + (f"  ({where})" if where else ""))
         verdict = "valid" if report.ok else f"invalid: {len(report.problems)} problem(s)"
         print(f"{report.path}: {len(report.steps)} step(s), {report.files_checked} shard(s), "
@@ -143,9 +144,10 @@ def cmd_info(a: argparse.Namespace) -> int:
         warnings.simplefilter("ignore", ApproximateWarning)
         ckpt = open_step(a.path, a.step, approximate=True)
     with ckpt:
-        tensors = [{"name": n, "dtype": m.dtype, "shape": list(m.shape), "chunk_shape": list(m.chunk_shape),
-                    "shards": math.prod(m.grid), "bytes": m.nbytes, "delta": m.delta is not None,
-                    "logical": m.logical} for n, m in ckpt.meta.arrays.items()]
+        tensors: list[dict[str, Any]] = [{"name": n, "dtype": m.dtype, "shape": list(m.shape),
+                                          "chunk_shape": list(m.chunk_shape), "shards": math.prod(m.grid),
+                                          "bytes": m.nbytes, "delta": m.delta is not None, "logical": m.logical}
+                                         for n, m in ckpt.meta.arrays.items()]
         comp = ckpt.composite
         stale = comp.tensors() if comp is not None else {}
         for t in tensors:
@@ -160,7 +162,7 @@ def cmd_info(a: argparse.Namespace) -> int:
                 "tensors": tensors}
         rec = ckpt.records
         if rec is not None:  # spec/delta.md §8: the parameters and optimizer state are replayed
-            replayed = sorted(n for n in ckpt.keys() if n not in ckpt.meta.arrays)
+            replayed = sorted(n for n in ckpt if n not in ckpt.meta.arrays)
             info["gradient_records"] = {"base_step": rec.base_step, "optimizer": rec.fingerprint.optimizer,
                                         "implementation": rec.fingerprint.implementation,
                                         "torch_version": rec.fingerprint.torch_version,
@@ -344,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ucl", formatter_class=fmt, usage="%(prog)s [-h] [--version] COMMAND ...",
         description="Universal Checkpoint Language: inspect, validate, compare, maintain and convert checkpoints.",
-        epilog="examples:\n  ucl ls ckpt\n  ucl validate ckpt\n  ucl diff ckpt@100 @200\n  ucl import hf_model/ ckpt\n\n"
+        epilog="examples:\n  ucl ls ckpt\n  ucl validate ckpt\n  ucl diff ckpt@100 @200\n"
+        "  ucl import hf_model/ ckpt\n\n"
         + EPILOG)
     p.add_argument("--version", action="version", version=f"ucl {_version()}")
     # the commands once: this list (argparse's own, per-choice help, is left out: it would repeat it)
@@ -401,7 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--to", choices=["hf"], help="hf: a Megatron-core GPT/LLaMA step as a Hugging Face "
                    "LlamaForCausalLM directory (the hf-llama view: q/k/v and gate/up split; config.json written)")
     e.add_argument("--config", metavar="CONFIG_JSON", help="with --to hf: the model's config.json to write "
-                   "(default: one made from the step's shapes, with Megatron-core's default norm epsilon and rotary base)")
+                   "(default: one made from the step's shapes, with Megatron-core's default norm epsilon and "
+                   "rotary base)")
     e.add_argument("--max-shard-size", type=_size, metavar="SIZE",
                    help="in a directory, split into files of at most SIZE (5GB, 500MiB, ...) with an index; "
                    "default: the imported source's files, else 5GB. A NAME.safetensors export larger than SIZE fails")

@@ -151,7 +151,7 @@ def _stage(repo: Repository, step: int, record: CommitRecord, meta: StepMeta, co
             Progress(sum(a.nbytes for a in arrays.values()), "compact", enabled=progress) as bar:
         if meta.gradient_records is not None:  # the full step stores what the replay defines, not gradients
             arrays = {}
-            for n in ckpt.keys():
+            for n in ckpt:
                 t = ckpt[n]
                 arrays[n] = array_for_shape(n, tuple(t.shape), t.dtype, compression=comp,
                                             inner_bytes=options.inner_chunk_bytes)

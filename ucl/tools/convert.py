@@ -704,7 +704,7 @@ def _hf_config(ckpt: Any, v: Any, config: Any, dtype: str) -> bytes:
     """config.json: the one given (a path or a dict), else the view's, from the step's shapes (``dtype``:
     the model's, its embedding's)."""
     if config is None:
-        doc = v.config({n: tuple(ckpt[n].shape) for n in ckpt.keys()}, ckpt.layout, dtype)
+        doc = v.config({n: tuple(ckpt[n].shape) for n in ckpt}, ckpt.layout, dtype)
     elif isinstance(config, dict):
         doc = config
     else:

@@ -136,8 +136,9 @@ def gc(path: Any, *, dry_run: bool = False, grace: float = DEFAULT_GRACE_S,
                 continue
             doomed.extend(f for f in store.walk(prefix) if f.key[len(prefix) + 1:] not in record.files)
         for step in sorted(journals):
-            report.kept.append({"key": compaction_journal(step), "reason": f"compaction of step {step} is unfinished: run "
-                                                                 f"'ucl compact {repo.url} --step {step}'"})
+            report.kept.append({"key": compaction_journal(step),
+                                "reason": f"compaction of step {step} is unfinished: run "
+                                          f"'ucl compact {repo.url} --step {step}'"})
         for name in store.list_dir("compact"):
             m = _STEP.match(name) or _RECORD.match(name)
             if m is not None and int(m.group(1)) in journals:

@@ -8,6 +8,7 @@ the step, tensor and file; a failing tensor does not stop the others from being 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -147,10 +148,8 @@ def _recorded_bytes(repo: Repository, steps: list[int]) -> int:
     """The bytes the commit records of ``steps`` list (the bar's total); unreadable records count 0."""
     total = 0
     for s in steps:
-        try:
+        with contextlib.suppress(UCLError):
             total += repo.commit_record(s).nbytes
-        except UCLError:
-            pass
     return total
 
 
@@ -180,8 +179,8 @@ def _validate_step(repo: Repository, step: int, report: Report, checksums: bool,
         return
     files = step_files(repo.store, step, record, options, format_version=meta.format_version)
     # the logical records and the step's layout and mesh (spec/layout.md §6.6, §6.8); none for plain steps
-    for e in check_layout_step({n: spec_for_meta(a) for n, a in meta.arrays.items()}, meta.layout, meta.mesh):
-        report.add(e, step)
+    for problem in check_layout_step({n: spec_for_meta(a) for n, a in meta.arrays.items()}, meta.layout, meta.mesh):
+        report.add(problem, step)
     expected_files = {"zarr.json"}
     for name, arr in meta.arrays.items():
         if arr.delta is None or meta.format_version < 2:  # a version 2 delta array has no document
@@ -368,13 +367,14 @@ def _check_replay(repo: Repository, step: int, meta: StepMeta, report: Report) -
             if a is not None:
                 g = grads.pop(name)
                 if tuple(a.shape) != tuple(g.shape) or a.dtype != g.dtype:
-                    report.add(DeltaChainError(f"step {step}: gradient {g.name!r} is {list(g.shape)} {g.dtype}, parameter "
-                                               f"{name!r} of step {parent} is {list(a.shape)} {a.dtype}",
+                    report.add(DeltaChainError(f"step {step}: gradient {g.name!r} is {list(g.shape)} {g.dtype}, "
+                                               f"parameter {name!r} of step {parent} is {list(a.shape)} {a.dtype}",
                                                tensor=g.name), step)
         via = "" if parent == rec.base_step else f" (whose replay reads step {parent})"
-        for e in _parent_problems(repo, parent, prec, pmeta, report):
+        for problem in _parent_problems(repo, parent, prec, pmeta, report):
             report.add(DeltaChainError(f"step {step} replays its optimizer step on step {rec.base_step}{via}; step "
-                                       f"{parent} is invalid: [{e.code}] {e.message}", tensor=e.tensor, file=e.file), step)
+                                       f"{parent} is invalid: [{problem.code}] {problem.message}",
+                                       tensor=problem.tensor, file=problem.file), step)
         cur = pmeta
     else:
         report.add(DeltaChainError(f"step {step}: more than {DEFAULT_MAX_CHAIN} gradient-record steps in a row"), step)

@@ -32,7 +32,8 @@ def check_key(key: str) -> str:
         raise InvalidNameError(f"storage key {key!r} is not a relative path", file=key)
     for seg in key.split("/"):
         if seg in ("", ".", ".."):
-            raise InvalidNameError(f"storage key {key!r} has a segment {seg!r} that could leave the repository", file=key)
+            raise InvalidNameError(f"storage key {key!r} has a segment {seg!r} that could leave the repository",
+                                   file=key)
     return key
 
 
@@ -131,14 +132,14 @@ class Store(ABC):
     def makedirs(self, prefix: str) -> None:  # noqa: B027 - object stores: nothing to do
         """Create the directory ``prefix`` (object stores have none: nothing to do)."""
 
-    def sync_dir(self, prefix: str) -> None:
+    def sync_dir(self, prefix: str) -> None:  # noqa: B027 - a default: object stores need nothing
         """Make directory entries under ``prefix`` durable (object stores need nothing)."""
 
     def sync_all(self) -> bool:
         """Make everything written so far durable at once, if the backend can (True), else False."""
         return not self.is_local
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a default: a backend with nothing to release keeps it
         """Release resources (connections, pools)."""
 
     def __repr__(self) -> str:
