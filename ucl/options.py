@@ -119,23 +119,25 @@ class WriteOptions:
         1.33 -> 1.28 s); where the copy is a device-to-host DMA the cores are free for the writer.
         Delta steps, gradient records and composite steps are always staged whole first.
     format_version
-        The format version of the steps :func:`ucl.save` and :func:`ucl.save_sharded` write: 2, or 1
-        for readers of version 1 only (spec/core.md §9 item 5: each logical record in its array's
-        document, a document for every delta array, the commit record's files by whole path), and
-        so does a :class:`ucl.CheckpointManager` given these options.
+        The newest format version of the steps :func:`ucl.save` and :func:`ucl.save_sharded` write, and
+        a :class:`ucl.CheckpointManager` given these options: 3 (default) packs the step document of a
+        step with a layout (spec/core.md §9 item 6) and writes every other step as version 2; 2 for
+        readers of version 2 (no packed documents); 1 for readers of version 1 only (spec/core.md §9
+        item 5: each logical record in its array's document, a document for every delta array, the
+        commit record's files by whole path).
     """
 
     inner_chunk_bytes: int = 4 << 20
     commit_threads: int = 16
     staging_threads: int = 2
     stream_bytes: int = 0
-    format_version: int = 2
+    format_version: int = 3
 
     def __post_init__(self) -> None:
         if self.stream_bytes < 0:
             raise ValueError(f"stream_bytes must be >= 0, got {self.stream_bytes!r}")
-        if self.format_version not in (1, 2):
-            raise ValueError(f"format_version must be 1 or 2, got {self.format_version!r}")
+        if self.format_version not in (1, 2, 3):
+            raise ValueError(f"format_version must be 1, 2 or 3, got {self.format_version!r}")
 
 
 DEFAULT_WRITE = WriteOptions()

@@ -325,5 +325,5 @@ def test_a_writer_of_version_1_writes_what_version_1_readers_read(tmp_path: Path
     ucl.save({"x": torch.arange(6.0)}, tmp_path / "plain", step=1, options=WriteOptions(format_version=1))
     assert json.loads((tmp_path / "plain/commits/1.json").read_bytes())["ucl_commit"] == 1
     assert torch.equal(ucl.load(tmp_path / "plain")["x"], torch.arange(6.0))
-    with pytest.raises(ValueError, match="format_version must be 1 or 2"):
-        WriteOptions(format_version=3)
+    with pytest.raises(ValueError, match="format_version must be 1, 2 or 3"):
+        WriteOptions(format_version=4)

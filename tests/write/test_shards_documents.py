@@ -87,10 +87,21 @@ def test_step_documents_are_the_bytes_of_metadata_dumps(variant: str) -> None:
     want = slow_documents(meta)
     cache = DocumentCache()
     for _ in range(2):  # serialized, then from the cache
-        got = step_documents(meta, cache)
+        got = step_documents(meta, cache, format_version=2)
         assert list(got) == list(want)
         assert got == want
     json.loads(got["zarr.json"])
+    # version 3 (the default) packs a step with a layout (spec/core.md §5.1): the same array documents,
+    # and a step document that expands to version 2's with its number; any other step is version 2's
+    v3 = step_documents(meta, DocumentCache())
+    assert {k: v for k, v in v3.items() if k != "zarr.json"} == {k: v for k, v in want.items() if k != "zarr.json"}
+    if meta.layout is None:
+        assert v3 == want
+    else:
+        doc = json.loads(v3["zarr.json"])
+        assert set(doc["attributes"]["ucl"]) == {"format_version", "step", "kind", "parent", "packed"}
+        assert "consolidated_metadata" not in doc
+        assert metadata.expand_packed(doc, "v3") == meta.to_dict(3)
 
 
 def test_the_cache_keys_by_the_object_and_is_bounded() -> None:

@@ -9,7 +9,7 @@ import re
 from ucl.format.schema_compile import _unique, json_equal
 
 _MISSING = object()
-DIGEST = 'd05f602f4b780bfa1a8758274592d36dd5e1482f71a45005b1c06c2785d3b313'
+DIGEST = '86ad33a68e8ac8f1c245e3c8d2e8529e4301cc09585078cec27827f4f9d31128'
 
 _c7 = 0
 _c8 = 4611686018427387903
@@ -24,28 +24,29 @@ _c43 = frozenset(['chunk_shape', 'codecs', 'index_codecs', 'index_location'])
 _c49 = frozenset(['delta', 'logical', 'name'])
 _c50 = frozenset(['ucl'])
 _c53 = frozenset(['attributes', 'chunk_grid', 'chunk_key_encoding', 'codecs', 'data_type', 'dimension_names', 'fill_value', 'node_type', 'shape', 'storage_transformers', 'zarr_format'])
-_c60 = (1, 2)
-_c62 = 9223372036854775807
-_c64 = frozenset(['delta', 'full'])
-_c72 = frozenset([])
-_c74 = frozenset(['from'])
-_c105 = frozenset(['count', 'reduce'])
-_c106 = frozenset(['maps', 'partial', 'unmapped'])
-_c107 = frozenset(['records', 'tensors'])
-_c114 = frozenset(['extensions', 'format_version', 'kind', 'layout', 'logical', 'mesh', 'parent', 'step', 'tree'])
-_c118 = False
-_c120 = frozenset(['kind', 'metadata', 'must_understand'])
-_c121 = frozenset(['attributes', 'consolidated_metadata', 'node_type', 'zarr_format'])
-_c132 = 4294967295
-_c133 = frozenset(['checksum', 'extensions', 'files', 'kind', 'parent', 'step', 'time', 'ucl_commit'])
-_c136 = frozenset(['ucl_commit'])
-_c146 = frozenset(['files'])
-_c165 = frozenset(['extensions', 'format_version'])
-_c166 = frozenset(['attributes', 'node_type', 'zarr_format'])
-_c174 = frozenset(['dtype', 'shape'])
-_c188 = frozenset(['offset', 'shape'])
-_c189 = frozenset(['at', 'box', 'tensor', 'view'])
-_c193 = frozenset(['maps', 'partial', 'tensors'])
+_c60 = (1, 2, 3)
+_c63 = 9223372036854775807
+_c65 = frozenset(['delta', 'full'])
+_c73 = frozenset([])
+_c75 = frozenset(['from'])
+_c106 = frozenset(['count', 'reduce'])
+_c107 = frozenset(['maps', 'partial', 'unmapped'])
+_c108 = frozenset(['records', 'tensors'])
+_c115 = frozenset(['extensions', 'format_version', 'kind', 'layout', 'logical', 'mesh', 'packed', 'parent', 'step', 'tree'])
+_c119 = False
+_c121 = frozenset(['kind', 'metadata', 'must_understand'])
+_c122 = frozenset(['attributes', 'consolidated_metadata', 'node_type', 'zarr_format'])
+_c125 = (1, 2)
+_c134 = 4294967295
+_c135 = frozenset(['checksum', 'extensions', 'files', 'kind', 'parent', 'step', 'time', 'ucl_commit'])
+_c138 = frozenset(['ucl_commit'])
+_c148 = frozenset(['files'])
+_c167 = frozenset(['extensions', 'format_version'])
+_c168 = frozenset(['attributes', 'node_type', 'zarr_format'])
+_c176 = frozenset(['dtype', 'shape'])
+_c190 = frozenset(['offset', 'shape'])
+_c191 = frozenset(['at', 'box', 'tensor', 'view'])
+_c195 = frozenset(['maps', 'partial', 'tensors'])
 
 
 def _ref5(x):
@@ -177,137 +178,137 @@ def _ref1(x):
     return True
 
 
-def _s71(x):
+def _s72(x):
     if isinstance(x, dict):
         if 'from' not in x: return False
     return True
 
 
-def _ref88(x):
+def _ref89(x):
     if not isinstance(x, list): return False
     if len(x) > 32: return False
-    for v89 in x:
-        if not type(v89) is int: return False
-        if v89 < _c7: return False
+    for v90 in x:
+        if not type(v90) is int: return False
+        if v90 < _c7: return False
     return True
 
 
-def _s92(x):
+def _s93(x):
     if not type(x) is int: return False
     if x < _c7: return False
     return True
 
 
-def _s95(x):
+def _s96(x):
     if isinstance(x, list):
         if len(x) < 5: return False
     return True
 
 
-def _ref83(x):
+def _ref84(x):
     if not isinstance(x, dict): return False
     if 'maps' not in x: return False
-    v84 = x['maps']
-    if not isinstance(v84, list): return False
-    for v85 in v84:
-        if not isinstance(v85, list): return False
-        if len(v85) < 3: return False
-        if len(v85) > 6: return False
-        if len(v85) > 0:
-            v86 = v85[0]
-            if not type(v86) is int: return False
-            if v86 < _c7: return False
-        if len(v85) > 1:
-            v87 = v85[1]
-            if not _ref88(v87): return False
-        if len(v85) > 2:
-            v90 = v85[2]
-            if not _ref88(v90): return False
-        if len(v85) > 3:
-            v91 = v85[3]
-            if not (_ref88(v91) or _s92(v91)): return False
-        if len(v85) > 4:
-            v93 = v85[4]
-            if not type(v93) is int: return False
-            if v93 < _c7: return False
-        if len(v85) > 5:
-            v94 = v85[5]
-            if not _ref88(v94): return False
-        if _s95(v85):
-            if isinstance(v85, list):
-                if len(v85) < 6: return False
-                if len(v85) > 3:
-                    v99 = v85[3]
-                    if not isinstance(v99, list): return False
-    v100 = x.get('unmapped', _MISSING)
-    if v100 is not _MISSING:
-        if not isinstance(v100, list): return False
-        for v101 in v100:
-            if not type(v101) is int: return False
-            if v101 < _c7: return False
-    v102 = x.get('partial', _MISSING)
-    if v102 is not _MISSING:
-        if not isinstance(v102, dict): return False
-        if 'reduce' not in v102 or 'count' not in v102: return False
-        v103 = v102['reduce']
-        if not (isinstance(v103, str) and v103 == 'sum'): return False
-        v104 = v102['count']
-        if not type(v104) is int: return False
-        if v104 < _c18: return False
-        if not _c105.issuperset(v102): return False
-    if not _c106.issuperset(x): return False
+    v85 = x['maps']
+    if not isinstance(v85, list): return False
+    for v86 in v85:
+        if not isinstance(v86, list): return False
+        if len(v86) < 3: return False
+        if len(v86) > 6: return False
+        if len(v86) > 0:
+            v87 = v86[0]
+            if not type(v87) is int: return False
+            if v87 < _c7: return False
+        if len(v86) > 1:
+            v88 = v86[1]
+            if not _ref89(v88): return False
+        if len(v86) > 2:
+            v91 = v86[2]
+            if not _ref89(v91): return False
+        if len(v86) > 3:
+            v92 = v86[3]
+            if not (_ref89(v92) or _s93(v92)): return False
+        if len(v86) > 4:
+            v94 = v86[4]
+            if not type(v94) is int: return False
+            if v94 < _c7: return False
+        if len(v86) > 5:
+            v95 = v86[5]
+            if not _ref89(v95): return False
+        if _s96(v86):
+            if isinstance(v86, list):
+                if len(v86) < 6: return False
+                if len(v86) > 3:
+                    v100 = v86[3]
+                    if not isinstance(v100, list): return False
+    v101 = x.get('unmapped', _MISSING)
+    if v101 is not _MISSING:
+        if not isinstance(v101, list): return False
+        for v102 in v101:
+            if not type(v102) is int: return False
+            if v102 < _c7: return False
+    v103 = x.get('partial', _MISSING)
+    if v103 is not _MISSING:
+        if not isinstance(v103, dict): return False
+        if 'reduce' not in v103 or 'count' not in v103: return False
+        v104 = v103['reduce']
+        if not (isinstance(v104, str) and v104 == 'sum'): return False
+        v105 = v103['count']
+        if not type(v105) is int: return False
+        if v105 < _c18: return False
+        if not _c106.issuperset(v103): return False
+    if not _c107.issuperset(x): return False
     return True
 
 
-def _ref70(x):
+def _ref71(x):
     if not isinstance(x, dict): return False
-    if _s71(x):
+    if _s72(x):
         if isinstance(x, dict):
-            v73 = x.get('from', _MISSING)
-            if v73 is not _MISSING:
-                if not type(v73) is int: return False
-                if v73 < _c7: return False
-                if v73 > _c62: return False
-            if not _c74.issuperset(x): return False
+            v74 = x.get('from', _MISSING)
+            if v74 is not _MISSING:
+                if not type(v74) is int: return False
+                if v74 < _c7: return False
+                if v74 > _c63: return False
+            if not _c75.issuperset(x): return False
     else:
         if isinstance(x, dict):
             if 'tensors' not in x or 'records' not in x: return False
-            v75 = x['tensors']
-            if not isinstance(v75, list): return False
-            for v76 in v75:
-                if not isinstance(v76, list): return False
-                if len(v76) < 2: return False
-                if len(v76) > 2: return False
-                if len(v76) > 0:
-                    v77 = v76[0]
-                    if not isinstance(v77, str): return False
-                    if len(v77) < 1: return False
-                if len(v76) > 1:
-                    v78 = v76[1]
-                    if not _ref5(v78): return False
-            v79 = x['records']
-            if not isinstance(v79, dict): return False
-            for k80, v81 in v79.items():
-                if k80 not in _c72:
-                    if not _ref83(v81): return False
+            v76 = x['tensors']
+            if not isinstance(v76, list): return False
+            for v77 in v76:
+                if not isinstance(v77, list): return False
+                if len(v77) < 2: return False
+                if len(v77) > 2: return False
+                if len(v77) > 0:
+                    v78 = v77[0]
+                    if not isinstance(v78, str): return False
+                    if len(v78) < 1: return False
+                if len(v77) > 1:
+                    v79 = v77[1]
+                    if not _ref5(v79): return False
+            v80 = x['records']
+            if not isinstance(v80, dict): return False
+            for k81, v82 in v80.items():
+                if k81 not in _c73:
+                    if not _ref84(v82): return False
                 pass
-            if not _c107.issuperset(x): return False
+            if not _c108.issuperset(x): return False
     return True
 
 
-def _ref110(x):
+def _ref111(x):
     if not isinstance(x, dict): return False
     if 'name' not in x: return False
-    v111 = x['name']
-    if not isinstance(v111, str): return False
-    if len(v111) < 1: return False
-    if len(v111) > 256: return False
-    v112 = x.get('configuration', _MISSING)
-    if v112 is not _MISSING:
-        if not isinstance(v112, dict): return False
-    v113 = x.get('must_understand', _MISSING)
+    v112 = x['name']
+    if not isinstance(v112, str): return False
+    if len(v112) < 1: return False
+    if len(v112) > 256: return False
+    v113 = x.get('configuration', _MISSING)
     if v113 is not _MISSING:
-        if not type(v113) is bool: return False
+        if not isinstance(v113, dict): return False
+    v114 = x.get('must_understand', _MISSING)
+    if v114 is not _MISSING:
+        if not type(v114) is bool: return False
     return True
 
 
@@ -326,253 +327,256 @@ def _ref54(x):
     if 'format_version' not in v58 or 'step' not in v58 or 'kind' not in v58 or 'tree' not in v58: return False
     v59 = v58['format_version']
     if not any(json_equal(v59, e) for e in _c60): return False
-    v61 = v58['step']
-    if not type(v61) is int: return False
-    if v61 < _c7: return False
-    if v61 > _c62: return False
-    v63 = v58['kind']
-    if not (isinstance(v63, str) and v63 in _c64): return False
-    v65 = v58.get('parent', _MISSING)
-    if v65 is not _MISSING:
-        if not (type(v65) is int or v65 is None): return False
-        if (type(v65) is int or type(v65) is float):
-            if v65 < _c7: return False
-    v66 = v58['tree']
-    if not isinstance(v66, dict): return False
-    v67 = v58.get('layout', _MISSING)
-    if v67 is not _MISSING:
-        if not (isinstance(v67, dict) or v67 is None): return False
-    v68 = v58.get('mesh', _MISSING)
+    v61 = v58.get('packed', _MISSING)
+    if v61 is not _MISSING:
+        return False
+    v62 = v58['step']
+    if not type(v62) is int: return False
+    if v62 < _c7: return False
+    if v62 > _c63: return False
+    v64 = v58['kind']
+    if not (isinstance(v64, str) and v64 in _c65): return False
+    v66 = v58.get('parent', _MISSING)
+    if v66 is not _MISSING:
+        if not (type(v66) is int or v66 is None): return False
+        if (type(v66) is int or type(v66) is float):
+            if v66 < _c7: return False
+    v67 = v58['tree']
+    if not isinstance(v67, dict): return False
+    v68 = v58.get('layout', _MISSING)
     if v68 is not _MISSING:
         if not (isinstance(v68, dict) or v68 is None): return False
-    v69 = v58.get('logical', _MISSING)
+    v69 = v58.get('mesh', _MISSING)
     if v69 is not _MISSING:
-        if not _ref70(v69): return False
-    v108 = v58.get('extensions', _MISSING)
-    if v108 is not _MISSING:
-        if not isinstance(v108, list): return False
-        for v109 in v108:
-            if not _ref110(v109): return False
-    v115 = x['consolidated_metadata']
-    if not isinstance(v115, dict): return False
-    if 'kind' not in v115 or 'metadata' not in v115 or 'must_understand' not in v115: return False
-    v116 = v115['kind']
-    if not (isinstance(v116, str) and v116 == 'inline'): return False
-    v117 = v115['must_understand']
-    if not json_equal(v117, _c118): return False
-    v119 = v115['metadata']
-    if not isinstance(v119, dict): return False
-    if len(v119) > 10000000: return False
+        if not (isinstance(v69, dict) or v69 is None): return False
+    v70 = v58.get('logical', _MISSING)
+    if v70 is not _MISSING:
+        if not _ref71(v70): return False
+    v109 = v58.get('extensions', _MISSING)
+    if v109 is not _MISSING:
+        if not isinstance(v109, list): return False
+        for v110 in v109:
+            if not _ref111(v110): return False
+    v116 = x['consolidated_metadata']
+    if not isinstance(v116, dict): return False
+    if 'kind' not in v116 or 'metadata' not in v116 or 'must_understand' not in v116: return False
+    v117 = v116['kind']
+    if not (isinstance(v117, str) and v117 == 'inline'): return False
+    v118 = v116['must_understand']
+    if not json_equal(v118, _c119): return False
+    v120 = v116['metadata']
+    if not isinstance(v120, dict): return False
+    if len(v120) > 10000000: return False
     return True
 
 
-def _s134(x):
+def _s136(x):
     if isinstance(x, dict):
-        v135 = x.get('ucl_commit', _MISSING)
-        if v135 is not _MISSING:
-            if not ((type(v135) is int or type(v135) is float) and v135 == 1): return False
+        v137 = x.get('ucl_commit', _MISSING)
+        if v137 is not _MISSING:
+            if not ((type(v137) is int or type(v137) is float) and v137 == 1): return False
     return True
 
 
-def _ref143(x):
+def _ref145(x):
     if not isinstance(x, list): return False
     if len(x) < 2: return False
     if len(x) > 2: return False
     if len(x) > 0:
-        v144 = x[0]
-        if not type(v144) is int: return False
-        if v144 < _c7: return False
-        if v144 > _c62: return False
+        v146 = x[0]
+        if not type(v146) is int: return False
+        if v146 < _c7: return False
+        if v146 > _c63: return False
     if len(x) > 1:
-        v145 = x[1]
-        if not type(v145) is int: return False
-        if v145 < _c7: return False
-        if v145 > _c132: return False
+        v147 = x[1]
+        if not type(v147) is int: return False
+        if v147 < _c7: return False
+        if v147 > _c134: return False
     return True
 
 
-def _ref138(x):
+def _ref140(x):
     if not isinstance(x, dict): return False
     if len(x) > 10000000: return False
-    for k139 in x:
-        if isinstance(k139, str):
-            if len(k139) > 4096: return False
-    for k140, v141 in x.items():
-        if k140 not in _c72:
-            if not _ref143(v141): return False
+    for k141 in x:
+        if isinstance(k141, str):
+            if len(k141) > 4096: return False
+    for k142, v143 in x.items():
+        if k142 not in _c73:
+            if not _ref145(v143): return False
         pass
     return True
 
 
-def _ref148(x):
+def _ref150(x):
     if not isinstance(x, dict): return False
     if len(x) > 10000000: return False
-    for k149 in x:
-        if isinstance(k149, str):
-            if len(k149) > 4096: return False
-    for k150, v151 in x.items():
-        if k150 not in _c72:
-            if not isinstance(v151, dict): return False
-            if len(v151) > 10000000: return False
-            for k153 in v151:
-                if isinstance(k153, str):
-                    if len(k153) > 4096: return False
-            for k154, v155 in v151.items():
-                if k154 not in _c72:
-                    if not _ref143(v155): return False
+    for k151 in x:
+        if isinstance(k151, str):
+            if len(k151) > 4096: return False
+    for k152, v153 in x.items():
+        if k152 not in _c73:
+            if not isinstance(v153, dict): return False
+            if len(v153) > 10000000: return False
+            for k155 in v153:
+                if isinstance(k155, str):
+                    if len(k155) > 4096: return False
+            for k156, v157 in v153.items():
+                if k156 not in _c73:
+                    if not _ref145(v157): return False
                 pass
         pass
     return True
 
 
-def _ref122(x):
+def _ref123(x):
     if not isinstance(x, dict): return False
     if 'ucl_commit' not in x or 'step' not in x or 'kind' not in x or 'time' not in x or 'files' not in x or 'checksum' not in x: return False
-    v123 = x['ucl_commit']
-    if not any(json_equal(v123, e) for e in _c60): return False
-    v124 = x['step']
-    if not type(v124) is int: return False
-    if v124 < _c7: return False
-    if v124 > _c62: return False
-    v125 = x['kind']
-    if not (isinstance(v125, str) and v125 in _c64): return False
-    v126 = x.get('parent', _MISSING)
-    if v126 is not _MISSING:
-        if not (type(v126) is int or v126 is None): return False
-        if (type(v126) is int or type(v126) is float):
-            if v126 < _c7: return False
-    v127 = x['time']
-    if not isinstance(v127, str): return False
-    if len(v127) > 64: return False
-    v128 = x['files']
-    if not isinstance(v128, dict): return False
-    v129 = x.get('extensions', _MISSING)
-    if v129 is not _MISSING:
-        if not isinstance(v129, list): return False
-        for v130 in v129:
-            if not _ref110(v130): return False
-    v131 = x['checksum']
-    if not type(v131) is int: return False
-    if v131 < _c7: return False
-    if v131 > _c132: return False
-    if not _c133.issuperset(x): return False
-    if _s134(x):
+    v124 = x['ucl_commit']
+    if not any(json_equal(v124, e) for e in _c125): return False
+    v126 = x['step']
+    if not type(v126) is int: return False
+    if v126 < _c7: return False
+    if v126 > _c63: return False
+    v127 = x['kind']
+    if not (isinstance(v127, str) and v127 in _c65): return False
+    v128 = x.get('parent', _MISSING)
+    if v128 is not _MISSING:
+        if not (type(v128) is int or v128 is None): return False
+        if (type(v128) is int or type(v128) is float):
+            if v128 < _c7: return False
+    v129 = x['time']
+    if not isinstance(v129, str): return False
+    if len(v129) > 64: return False
+    v130 = x['files']
+    if not isinstance(v130, dict): return False
+    v131 = x.get('extensions', _MISSING)
+    if v131 is not _MISSING:
+        if not isinstance(v131, list): return False
+        for v132 in v131:
+            if not _ref111(v132): return False
+    v133 = x['checksum']
+    if not type(v133) is int: return False
+    if v133 < _c7: return False
+    if v133 > _c134: return False
+    if not _c135.issuperset(x): return False
+    if _s136(x):
         if isinstance(x, dict):
-            v137 = x.get('files', _MISSING)
-            if v137 is not _MISSING:
-                if not _ref138(v137): return False
+            v139 = x.get('files', _MISSING)
+            if v139 is not _MISSING:
+                if not _ref140(v139): return False
     else:
         if isinstance(x, dict):
-            v147 = x.get('files', _MISSING)
-            if v147 is not _MISSING:
-                if not _ref148(v147): return False
+            v149 = x.get('files', _MISSING)
+            if v149 is not _MISSING:
+                if not _ref150(v149): return False
     return True
 
 
-def _ref157(x):
+def _ref159(x):
     if not isinstance(x, dict): return False
     if 'zarr_format' not in x or 'node_type' not in x or 'attributes' not in x: return False
-    v158 = x['zarr_format']
-    if not ((type(v158) is int or type(v158) is float) and v158 == 3): return False
-    v159 = x['node_type']
-    if not (isinstance(v159, str) and v159 == 'group'): return False
-    v160 = x['attributes']
-    if not isinstance(v160, dict): return False
-    if 'ucl' not in v160: return False
-    v161 = v160['ucl']
-    if not isinstance(v161, dict): return False
-    if 'format_version' not in v161: return False
-    v162 = v161['format_version']
-    if not ((type(v162) is int or type(v162) is float) and v162 == 1): return False
-    v163 = v161.get('extensions', _MISSING)
-    if v163 is not _MISSING:
-        if not isinstance(v163, list): return False
-        for v164 in v163:
-            if not _ref110(v164): return False
+    v160 = x['zarr_format']
+    if not ((type(v160) is int or type(v160) is float) and v160 == 3): return False
+    v161 = x['node_type']
+    if not (isinstance(v161, str) and v161 == 'group'): return False
+    v162 = x['attributes']
+    if not isinstance(v162, dict): return False
+    if 'ucl' not in v162: return False
+    v163 = v162['ucl']
+    if not isinstance(v163, dict): return False
+    if 'format_version' not in v163: return False
+    v164 = v163['format_version']
+    if not ((type(v164) is int or type(v164) is float) and v164 == 1): return False
+    v165 = v163.get('extensions', _MISSING)
+    if v165 is not _MISSING:
+        if not isinstance(v165, list): return False
+        for v166 in v165:
+            if not _ref111(v166): return False
     return True
 
 
-def _ref179(x):
+def _ref181(x):
     if not isinstance(x, list): return False
     if len(x) < 2: return False
     if len(x) > 2: return False
-    for v180 in x:
-        if not isinstance(v180, list): return False
-        if len(v180) > 32: return False
-        for v181 in v180:
-            if not type(v181) is int: return False
-            if v181 < _c7: return False
+    for v182 in x:
+        if not isinstance(v182, list): return False
+        if len(v182) > 32: return False
+        for v183 in v182:
+            if not type(v183) is int: return False
+            if v183 < _c7: return False
     return True
 
 
-def _ref167(x):
+def _ref169(x):
     if not isinstance(x, dict): return False
     if 'tensors' in x and ('maps' not in x): return False
     if 'maps' in x and ('tensors' not in x): return False
     if 'partial' in x and ('tensors' not in x): return False
-    v168 = x.get('tensors', _MISSING)
-    if v168 is not _MISSING:
-        if not isinstance(v168, dict): return False
-        for k169, v170 in v168.items():
-            if k169 not in _c72:
-                if not isinstance(v170, dict): return False
-                if 'shape' not in v170 or 'dtype' not in v170: return False
-                v172 = v170['shape']
-                if not _ref5(v172): return False
-                v173 = v170['dtype']
-                if not _ref10(v173): return False
-                if not _c174.issuperset(v170): return False
+    v170 = x.get('tensors', _MISSING)
+    if v170 is not _MISSING:
+        if not isinstance(v170, dict): return False
+        for k171, v172 in v170.items():
+            if k171 not in _c73:
+                if not isinstance(v172, dict): return False
+                if 'shape' not in v172 or 'dtype' not in v172: return False
+                v174 = v172['shape']
+                if not _ref5(v174): return False
+                v175 = v172['dtype']
+                if not _ref10(v175): return False
+                if not _c176.issuperset(v172): return False
             pass
-    v175 = x.get('maps', _MISSING)
-    if v175 is not _MISSING:
-        if not isinstance(v175, list): return False
-        for v176 in v175:
-            if not isinstance(v176, dict): return False
-            if 'tensor' not in v176 or 'box' not in v176 or 'at' not in v176: return False
-            v177 = v176['tensor']
-            if not isinstance(v177, str): return False
-            if len(v177) < 1: return False
-            v178 = v176['box']
-            if not _ref179(v178): return False
-            v182 = v176['at']
-            if not isinstance(v182, list): return False
-            if len(v182) > 32: return False
-            for v183 in v182:
-                if not type(v183) is int: return False
-                if v183 < _c7: return False
-            v184 = v176.get('view', _MISSING)
-            if v184 is not _MISSING:
-                if not isinstance(v184, dict): return False
-                if 'offset' not in v184 or 'shape' not in v184: return False
-                v185 = v184['offset']
+    v177 = x.get('maps', _MISSING)
+    if v177 is not _MISSING:
+        if not isinstance(v177, list): return False
+        for v178 in v177:
+            if not isinstance(v178, dict): return False
+            if 'tensor' not in v178 or 'box' not in v178 or 'at' not in v178: return False
+            v179 = v178['tensor']
+            if not isinstance(v179, str): return False
+            if len(v179) < 1: return False
+            v180 = v178['box']
+            if not _ref181(v180): return False
+            v184 = v178['at']
+            if not isinstance(v184, list): return False
+            if len(v184) > 32: return False
+            for v185 in v184:
                 if not type(v185) is int: return False
                 if v185 < _c7: return False
-                v186 = v184['shape']
-                if not isinstance(v186, list): return False
-                if len(v186) > 32: return False
-                for v187 in v186:
-                    if not type(v187) is int: return False
-                    if v187 < _c7: return False
-                if not _c188.issuperset(v184): return False
-            if not _c189.issuperset(v176): return False
-    v190 = x.get('partial', _MISSING)
-    if v190 is not _MISSING:
-        if not isinstance(v190, dict): return False
-        if 'reduce' not in v190 or 'count' not in v190: return False
-        v191 = v190['reduce']
-        if not (isinstance(v191, str) and v191 == 'sum'): return False
-        v192 = v190['count']
-        if not type(v192) is int: return False
-        if v192 < _c18: return False
-        if not _c105.issuperset(v190): return False
-    if not _c193.issuperset(x): return False
+            v186 = v178.get('view', _MISSING)
+            if v186 is not _MISSING:
+                if not isinstance(v186, dict): return False
+                if 'offset' not in v186 or 'shape' not in v186: return False
+                v187 = v186['offset']
+                if not type(v187) is int: return False
+                if v187 < _c7: return False
+                v188 = v186['shape']
+                if not isinstance(v188, list): return False
+                if len(v188) > 32: return False
+                for v189 in v188:
+                    if not type(v189) is int: return False
+                    if v189 < _c7: return False
+                if not _c190.issuperset(v186): return False
+            if not _c191.issuperset(v178): return False
+    v192 = x.get('partial', _MISSING)
+    if v192 is not _MISSING:
+        if not isinstance(v192, dict): return False
+        if 'reduce' not in v192 or 'count' not in v192: return False
+        v193 = v192['reduce']
+        if not (isinstance(v193, str) and v193 == 'sum'): return False
+        v194 = v192['count']
+        if not type(v194) is int: return False
+        if v194 < _c18: return False
+        if not _c106.issuperset(v192): return False
+    if not _c195.issuperset(x): return False
     return True
 
 
 ENTRIES = {
     ('array.schema.json', ''): _ref1,
     ('step.schema.json', ''): _ref54,
-    ('commit.schema.json', ''): _ref122,
-    ('repository.schema.json', ''): _ref157,
-    ('layout.schema.json', '/$defs/logical_record'): _ref167,
+    ('commit.schema.json', ''): _ref123,
+    ('repository.schema.json', ''): _ref159,
+    ('layout.schema.json', '/$defs/logical_record'): _ref169,
 }

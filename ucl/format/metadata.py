@@ -42,8 +42,11 @@ from ucl.format.records import (
 )
 from ucl.io import native as _native
 
-FORMAT_VERSION = 2  # what a step document is written as (spec/core.md §9 item 5); 1 still reads
-STEP_FORMAT_VERSIONS = (1, 2)  # the step document versions this reader implements
+FORMAT_VERSION = 3  # the newest step document version written (spec/core.md §9 items 5, 6); 1 and 2 read
+STEP_FORMAT_VERSIONS = (1, 2, 3)  # the step document versions this reader implements
+#: The members of attributes.ucl a version 3 writer packs (spec/core.md §5.1); the others stay readable
+#: without decompressing (which step, its kind and parent: what retention and chains look at).
+PACKED_MEMBERS = ("tree", "layout", "mesh", "extensions", "logical")
 REPO_FORMAT_VERSION = 1  # the repository document's: its form did not change in version 2
 COMMIT_VERSION = 2  # a commit record's ucl_commit as written (files grouped by array); 1 still reads
 MAX_DOC_BYTES = 256 << 20
@@ -59,13 +62,13 @@ def _reject_constant(c: str) -> None:
     raise ValueError(f"{c} is not valid JSON")
 
 
-def loads(data: bytes, what: str) -> Any:
+def loads(data: bytes, what: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """Parse a metadata document: bounded size and depth, strict JSON (no NaN/Infinity)."""
     if len(data) > MAX_DOC_BYTES:
         raise LimitExceededError(f"{what} is {len(data)} bytes, more than the limit of {MAX_DOC_BYTES}", file=what)
     depth, wide = _native.json_lint(data)
-    if depth > MAX_JSON_DEPTH:
-        raise LimitExceededError(f"{what} nests {depth} levels deep, more than the limit of {MAX_JSON_DEPTH}",
+    if depth > max_depth:
+        raise LimitExceededError(f"{what} nests {depth} levels deep, more than the limit of {max_depth}",
                                  file=what)
     if wide:
         raise SchemaError(f"{what} holds an integer outside [-2^63, 2^64) (spec/core.md §8.4)", file=what)
@@ -256,6 +259,51 @@ def _format_version(doc: Any) -> Any:
             return None
         doc = doc.get(k)
     return doc
+
+
+def expand_packed(doc: Any, what: str) -> Any:
+    """A version 3 step document with its packed members in place (spec/core.md §5.1): every member of
+    the packed ``ucl`` added to ``attributes.ucl`` and its ``consolidated_metadata`` to the document;
+    ``packed`` removed. Any other document comes back as it is (the schema check judges it)."""
+    attributes = doc.get("attributes") if isinstance(doc, dict) else None
+    ucl = attributes.get("ucl") if isinstance(attributes, dict) else None
+    if not isinstance(ucl, dict) or "packed" not in ucl or ucl.get("format_version") != 3:
+        return doc
+    assert isinstance(attributes, dict)  # it holds ucl
+    from ucl.format import packed  # here: numcodecs is imported only when a document is packed
+
+    inner = loads(packed.unpack(ucl["packed"], MAX_DOC_BYTES, what), f"{what} (attributes.ucl.packed)",
+                  MAX_JSON_DEPTH - 1)  # its ucl members are one level deeper in the step document
+    if not isinstance(inner, dict) or not set(inner) <= {"ucl", "consolidated_metadata"} \
+            or not isinstance(inner.get("ucl", {}), dict):
+        raise SchemaError(f"{what}: attributes.ucl.packed holds no object of members ucl (an object) and "
+                          "consolidated_metadata", file=what)
+    both = sorted(set(inner.get("ucl", {})) & set(ucl))
+    if "consolidated_metadata" in inner and "consolidated_metadata" in doc:
+        both.append("consolidated_metadata")
+    if both:
+        raise SchemaError(f"{what}: {both[0]!r} is both packed and in the document", file=what)
+    out = {k: v for k, v in doc.items() if k != "attributes"}
+    out["attributes"] = {**attributes, "ucl": {k: v for k, v in ucl.items() if k != "packed"} | inner.get("ucl", {})}
+    if "consolidated_metadata" in inner:
+        out["consolidated_metadata"] = inner["consolidated_metadata"]
+    return out
+
+
+def split_packed(doc: dict[str, Any], nodes: bytes = b"") -> tuple[dict[str, Any], bytes]:
+    """A version 3 step document ``doc`` (``StepMeta.to_dict(3)``) split into the document as written,
+    ``attributes.ucl.packed`` still to be set, and the JSON its packed members are (spec/core.md §5.1):
+    ``PACKED_MEMBERS`` and the consolidated metadata. ``nodes``: the text of the consolidated nodes
+    (``"key":{...},...``) when ``doc``'s consolidated metadata is empty, spliced in as they are."""
+    ucl = dict(doc["attributes"]["ucl"])
+    moved = {k: ucl.pop(k) for k in PACKED_MEMBERS if k in ucl}
+    cm = dumps(doc["consolidated_metadata"])
+    if nodes:
+        assert cm.endswith(b'"metadata":{}}'), "the nodes come as text into an empty consolidated metadata"
+        cm = cm[:-2] + nodes + b"}}"
+    outer = {k: v for k, v in doc.items() if k != "consolidated_metadata"}
+    outer["attributes"] = {**doc["attributes"], "ucl": ucl}
+    return outer, b'{"ucl":' + dumps(moved) + b',"consolidated_metadata":' + cm + b"}"
 
 
 def parse_repo(data: bytes, what: str = "zarr.json") -> dict[str, Any]:
@@ -725,9 +773,10 @@ class StepMeta:
                 return Composite.from_extension(e)
         return None
 
-    def to_dict(self, format_version: int = FORMAT_VERSION) -> dict[str, Any]:
+    def to_dict(self, format_version: int = 2) -> dict[str, Any]:
         """The step document, of ``format_version`` 2 (the logical records once, in ``attributes.ucl``)
-        or 1 (each array's record in its document, for readers of version 1 only)."""
+        or 1 (each array's record in its document, for readers of version 1 only); 3 is 2's document
+        with that number, whose large members a writer then packs (:func:`split_packed`)."""
         if format_version not in STEP_FORMAT_VERSIONS:
             raise ValueError(f"format version {format_version}: a writer writes one of "
                              f"{STEP_FORMAT_VERSIONS}")
@@ -767,6 +816,7 @@ class StepMeta:
         if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
             raise UnsupportedVersionError(f"{what}: format version {version}; this reader knows up to {FORMAT_VERSION}",
                                           file=what)
+        doc = expand_packed(doc, what)
         check_schema(doc, "step", what)
         ucl = doc["attributes"]["ucl"]
         version = ucl["format_version"]

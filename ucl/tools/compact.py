@@ -34,7 +34,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ucl.errors import InvalidArgumentError
-from ucl.format import metadata
 from ucl.format.lock import WriterLock
 from ucl.format.metadata import ArrayMeta, CommitRecord, StepMeta
 from ucl.format.records import GRADIENT_RECORDS
@@ -51,7 +50,7 @@ from ucl.plan.save import all_shards, array_for_shape
 from ucl.read.checkpoint import Checkpoint
 from ucl.tools.progress import Progress
 from ucl.write import compaction as journal
-from ucl.write.step import FileEntry
+from ucl.write.step import FileEntry, step_documents
 
 __all__ = ["CompactResult", "compact"]
 
@@ -169,10 +168,9 @@ def _stage(repo: Repository, step: int, record: CommitRecord, meta: StepMeta, co
                 bar.update(block.numel() * block.element_size())
     full = StepMeta(step=step, kind="full", tree=meta.tree, arrays=arrays, parent=None, layout=meta.layout,
                     mesh=meta.mesh, extensions=extensions)
-    doc = full.to_dict()
-    for rel, node in doc["consolidated_metadata"]["metadata"].items():
-        files[f"{rel}/zarr.json"] = store.write(f"{staging}/{rel}/zarr.json", [metadata.dumps(node)])
-    files["zarr.json"] = store.write(f"{staging}/zarr.json", [metadata.dumps(doc)])
+    # the documents any writer of these options writes (a layout step's packed, spec/core.md §5.1)
+    for rel, data in step_documents(full, format_version=options.format_version).items():
+        files[rel] = store.write(f"{staging}/{rel}", [data])
     if store.is_local:
         for d in sorted({os.path.dirname(f"{staging}/{rel}") for rel in files}, key=len, reverse=True):
             store.sync_dir(d)

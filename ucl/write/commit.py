@@ -24,7 +24,7 @@ from time import perf_counter as clock
 from typing import Any
 
 from ucl.errors import WriteError
-from ucl.format import structure
+from ucl.format import metadata, structure
 from ucl.format.lock import WriterLock
 from ucl.format.metadata import CommitRecord, StepMeta
 from ucl.format.repository import Repository
@@ -59,7 +59,7 @@ class StepCommit:
     """
 
     def __init__(self, repo: Repository, dist: Collectives, lock: WriterLock | None,
-                 retention: Retention, commit_threads: int, format_version: int = 2) -> None:
+                 retention: Retention, commit_threads: int, format_version: int = metadata.FORMAT_VERSION) -> None:
         self.repo, self.dist, self.lock, self.retention = repo, dist, lock, retention
         self.commit_threads = commit_threads
         self.format_version = format_version  # of the steps it commits (WriteOptions.format_version)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ucl.delta.shardfile import encode_delta_shard
+from ucl.format import metadata
 from ucl.format.records import choose_encoding
 from ucl.format.repository import Repository, step_prefix
 from ucl.format.shardfile import encode_shard, shard_digest
@@ -46,7 +47,7 @@ class ShardWriter:
     """
 
     def __init__(self, repo: Repository, rank: int, threads: int, direct: bool | None,
-                 format_version: int = 2) -> None:
+                 format_version: int = metadata.FORMAT_VERSION) -> None:
         self.repo, self.rank = repo, rank
         self.format_version = format_version  # of a full step's documents (WriteOptions.format_version)
         self._threads, self._direct = threads, direct

@@ -17,7 +17,7 @@ from functools import cache
 import torch
 
 from ucl.errors import CheckpointNotFoundError, StepExistsError, WriteError
-from ucl.format import metadata
+from ucl.format import metadata, packed
 from ucl.format.lock import WriterLock
 from ucl.format.metadata import ArrayMeta, CommitRecord, StepMeta
 from ucl.format.repository import Repository, check_step, commit_key, compaction_journal, step_prefix
@@ -49,6 +49,16 @@ class DocumentCache:
     def __init__(self, limit: int = 1 << 16) -> None:
         self.limit = limit
         self._arrays: dict[int, tuple[ArrayMeta, bytes]] = {}
+        self._packed: tuple[bytes, str] | None = None  # the last packed members: (JSON, packed text)
+
+    def packed(self, inner: bytes) -> str:
+        """``packed.pack(inner)``, compressed once while a writer's steps pack the same members (a
+        manager's steps of one plan differ only in their number, which is not packed)."""
+        if self._packed is not None and self._packed[0] == inner:
+            return self._packed[1]
+        text = packed.pack(inner)
+        self._packed = (inner, text)
+        return text
 
     def array(self, meta: ArrayMeta) -> bytes:
         """``metadata.dumps(meta.to_dict())``, serialized once per ArrayMeta object."""
@@ -68,7 +78,10 @@ def step_documents(meta: StepMeta, cache: DocumentCache | None = None,
     then the step's own ``zarr.json`` with every node consolidated. The same bytes as ``metadata.dumps`` of
     ``meta.to_dict()`` and of each of its nodes; the array nodes come serialized from ``cache`` and are
     spliced into the step document (compact JSON: a node's text is the same standalone and nested).
-    ``format_version`` 1 writes version 1 documents (spec/core.md §9 item 5), serialized whole."""
+    ``format_version`` 1 writes version 1 documents (spec/core.md §9 item 5), serialized whole; 3 packs
+    the step document of a step with a layout (version 3, spec/core.md §5.1: its records and consolidated
+    metadata are most of its metadata, and compress ~40x) and writes any other as version 2, which
+    version 2 readers read."""
     if format_version == 1:
         doc = meta.to_dict(format_version=1)
         out = {f"{rel}/zarr.json": metadata.dumps(node)
@@ -83,15 +96,21 @@ def step_documents(meta: StepMeta, cache: DocumentCache | None = None,
         for i in range(1, len(parts)):
             nodes.setdefault("/".join(parts[:i]), group)
         nodes[a.key] = cache.array(a)
-    skeleton = replace(meta, arrays={}).to_dict()
+    version = 3 if format_version >= 3 and meta.layout is not None else 2
+    skeleton = replace(meta, arrays={}).to_dict(version)
     if meta.logical_from is None and (logical := metadata.pack_logical(meta.arrays)) is not None:
         skeleton["attributes"]["ucl"]["logical"] = logical
-    top = metadata.dumps(skeleton)
-    if not top.endswith(_EMPTY_TAIL):  # not the shape spliced below: serialize it whole
-        top = metadata.dumps(meta.to_dict())
-    elif nodes:
-        body = b",".join(json.dumps(k).encode() + b":" + v for k, v in nodes.items())
-        top = top[: -len(_EMPTY_TAIL)] + b'"metadata":{' + body + b"}}}"
+    body = b",".join(json.dumps(k).encode() + b":" + v for k, v in nodes.items())
+    if version == 3:
+        outer, inner = metadata.split_packed(skeleton, body)
+        outer["attributes"]["ucl"]["packed"] = cache.packed(inner)
+        top = metadata.dumps(outer)
+    else:
+        top = metadata.dumps(skeleton)
+        if not top.endswith(_EMPTY_TAIL):  # not the shape spliced below: serialize it whole
+            top = metadata.dumps(meta.to_dict(version))
+        elif nodes:
+            top = top[: -len(_EMPTY_TAIL)] + b'"metadata":{' + body + b"}}}"
     # a delta array has no document of its own (spec/delta.md §3.2): no Zarr reader could read it (its
     # ucl.delta codec is must-understand), and ucl reads the consolidated copy
     deltas = {a.key for a in meta.arrays.values() if a.delta is not None}
