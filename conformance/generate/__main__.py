@@ -32,6 +32,7 @@ from . import (
     layouts,
     metadata,
     names,
+    packed,
     repository,
     shapes,
     sharding,
@@ -59,6 +60,7 @@ FEATURES = (
     deltas,
     layouts,
     composite,
+    packed,
 )
 
 

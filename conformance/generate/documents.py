@@ -204,11 +204,11 @@ def precedence(root: Path, cases: Cases) -> None:
     f, st = tiny(root, fx)
 
     def newer(d: dict[str, Any]) -> None:
-        d["attributes"]["ucl"]["format_version"] = 3
+        d["attributes"]["ucl"]["format_version"] = 4
         del d["attributes"]["ucl"]["tree"]
 
     f.edit_step_doc(1, newer)
-    cases.invalid("a step document of version 3 without a tree: the version is checked first",
+    cases.invalid("a step document of version 4 without a tree: the version is checked first",
                   "core.md §10.2 item 3", fx, "unsupported_version")
     cases.error("and it does not open, for the same reason", "core.md §10.2 item 3", fx, "open",
                 "unsupported_version", {"step": 1})

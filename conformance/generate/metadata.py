@@ -106,8 +106,8 @@ def build(root: Path, cases: Cases) -> None:
 
     fx = "invalid/metadata/unsupported_version"
     f, st = tiny(root, fx)
-    f.edit_step_doc(1, lambda d: d["attributes"]["ucl"].__setitem__("format_version", 3))
-    cases.invalid("a step document of format version 3", S_EXT, fx, "unsupported_version")
+    f.edit_step_doc(1, lambda d: d["attributes"]["ucl"].__setitem__("format_version", 4))
+    cases.invalid("a step document of format version 4", S_EXT, fx, "unsupported_version")
     cases.error(
         "a step of a newer format version does not open",
         S_EXT,

@@ -106,6 +106,16 @@ _BY_FIXTURE = {
     "invalid/metadata/unsupported_repository_version": "core.md §3.1",
     "invalid/commit/unknown_must_understand_extension": "core.md §7 item 5",
     "invalid/commit/unsupported_version": "core.md §7 item 5",
+    # packed members of a version 3 step document (core.md §5.1 "Packed members", items 1-4)
+    **{f"invalid/metadata/packed_{what}": f"core.md §5.1 item {item}" for what, item in (
+        ("not_a_string", 1), ("not_base64", 1), ("base64_unpadded", 1), ("not_a_zstd_frame", 1),
+        ("frame_without_content_size", 1), ("frame_with_dictionary", 1), ("declares_1_byte", 1),
+        ("declares_more_than_content", 2), ("data_after_frame", 2), ("skippable_frame_after_frame", 2),
+        ("content_not_json", 3), ("content_depth_128", 3), ("content_not_an_object", 4),
+        ("content_other_member", 4), ("member_also_unpacked", 4), ("consolidated_metadata_twice", 4),
+        ("in_version_1", 4), ("in_version_2", 4),
+    )},
+    "hostile/packed_declares_over_256_mib": "core.md §5.1 item 1",
 }
 
 
@@ -152,13 +162,18 @@ class Suite:
         fixture: str,
         operation: str,
         args: dict[str, Any] | None = None,
+        level: int | None = None,
         **expected: Any,
     ) -> None:
+        """``level``: the case's level when its section does not tell it (1 for a case that cites
+        spec/core.md on a fixture that needs spec/layout.md or spec/delta.md to read)."""
+        if level is None:
+            level = 1 if section.startswith(("delta.md", "layout.md")) else 0
         self.by_feature.setdefault(feature, []).append(
             {
                 "description": description,
                 "spec": cite(section, fixture, expected),
-                **({"level": 1} if section.startswith(("delta.md", "layout.md")) else {}),
+                **({"level": level} if level else {}),
                 "fixture": fixture,
                 "operation": operation,
                 "args": args or {},
@@ -219,6 +234,7 @@ class Cases:
         boxes: dict[str, list[list[list[int]]]] | None = None,
         what: Callable[[str], str] | None = None,
         may_fail_with: list[str] | None = None,
+        level: int | None = None,
     ) -> None:
         """One case per tensor (and per box); ``what(name)`` is appended to the descriptions."""
         for name, t in tensors.items():
@@ -233,6 +249,7 @@ class Cases:
                 data_sha256=sha(t),
                 shape=list(t.shape),
                 may_fail_with=may_fail_with,
+                level=level,
             )
             for box in (boxes or {}).get(name, []):
                 self.valid(
@@ -244,6 +261,7 @@ class Cases:
                     data_sha256=sha(t, box),
                     shape=[b - a for a, b in box],
                     may_fail_with=may_fail_with,
+                    level=level,
                 )
 
     def broken_read(

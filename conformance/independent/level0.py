@@ -3,7 +3,9 @@
 
 Level 0 (core.md §1): full steps of plain arrays. Layout records (spec/layout.md), delta steps and
 gradient records (spec/delta.md) are not implemented and are refused with ``unknown_extension``, as
-core.md §9 item 3 says for a Level-0 reader.
+core.md §9 item 3 says for a Level-0 reader. Step documents of format versions 1 to 3 (a version 3
+document's packed members expanded first, core.md §5.1 "Packed members"); every other document, commit
+records included, of version 1.
 
 It does not import ucl. It is served over the JSON-lines protocol of conformance/runner.py
 (``python level0.py`` reads requests on stdin, one response line per request). Section numbers in the
@@ -13,6 +15,8 @@ open (tags ``GAP-Rn``) and what this implementation assumed there.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
 import os
@@ -34,6 +38,8 @@ sys.setrecursionlimit(10000)
 # -- limits ------------------------------------------------------------------------------------------------
 MAX_DOC = 268_435_456  # §3.4 item 1
 MAX_JSON_DEPTH = 128  # §3.4 item 2
+MAX_PACKED_DEPTH = 127  # §5.1 "Packed members" item 3: the content's members are one level deeper
+STEP_VERSIONS = 3  # step documents of format versions 1 to 3 (§9 items 5, 6); every other document 1
 INT_MIN, INT_MAX = -(2**63), 2**64 - 1  # §3.4 item 3
 TOTAL_BYTES_LIMIT = 2**62  # §6 item 1: below 2^62 bytes
 MAX_INNER_PER_SHARD = 2**24  # §6 item 4
@@ -160,7 +166,7 @@ def json_depth(text: str, limit: int) -> int:
     return best
 
 
-def load_json(data: bytes, what: str) -> dict[str, Any]:
+def load_json(data: bytes, what: str, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
     """A document under §3.4: size and depth (limit_exceeded), then the rest (schema_violation)."""
     if len(data) > MAX_DOC:
         raise UErr("limit_exceeded", f"{what}: larger than 256 MiB")
@@ -169,8 +175,8 @@ def load_json(data: bytes, what: str) -> dict[str, Any]:
     except UnicodeDecodeError as e:
         text = None
         err = f"not UTF-8: {e}"
-    if text is not None and json_depth(text, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
-        raise UErr("limit_exceeded", f"{what}: nested deeper than {MAX_JSON_DEPTH}")
+    if text is not None and json_depth(text, max_depth) > max_depth:
+        raise UErr("limit_exceeded", f"{what}: nested deeper than {max_depth}")
     if text is None:
         raise UErr("schema_violation", f"{what}: {err}")
     try:
@@ -383,9 +389,9 @@ def check_extensions(exts: Any, what: str) -> None:
             raise UErr("unknown_extension", f"{what}: extension {e.get('name')!r} must be understood")
 
 
-def check_version(obj: Any, field: str, what: str) -> None:
+def check_version(obj: Any, field: str, what: str, newest: int = 1) -> None:
     """§9 item 1, §10.2 item 1: checked before the schema (whose const would also refuse it)."""
-    if isinstance(obj, dict) and is_int(obj.get(field)) and obj[field] > 1:
+    if isinstance(obj, dict) and is_int(obj.get(field)) and obj[field] > newest:
         raise UErr("unsupported_version", f"{what}: {field} {obj[field]}")
 
 
@@ -717,8 +723,10 @@ def open_step_doc(
     doc = load_json(data, what)
     attrs = doc.get("attributes")
     ucl = attrs.get("ucl") if isinstance(attrs, dict) else None
-    check_version(ucl, "format_version", what)
-    check_schema("step.schema.json", doc, what)
+    check_version(ucl, "format_version", what, STEP_VERSIONS)
+    if isinstance(ucl, dict) and ucl.get("format_version") == 3 and "packed" in ucl:
+        doc = expand_packed(doc, what)  # §10.2 item 3: after the version, before everything else
+    check_schema("step.schema.json", doc, what)  # packed in a version 1 or 2 document: the schema's false
     ucl = doc["attributes"]["ucl"]
     check_extensions(ucl.get("extensions"), what)
     meta = StepMeta(step, rec, doc)
@@ -782,8 +790,9 @@ def open_step_doc(
         )
     if ucl.get("parent") != rec.get("parent"):
         raise UErr("inconsistent_metadata", f"{what}: parent differs from the commit record's")
-    # a Level-0 reader on a layout or delta step (§9 item 3); GAP-R1: its place in the order
-    if ucl["kind"] == "delta" or ucl.get("layout") is not None:
+    # a Level-0 reader on a layout or delta step, or one with logical records (version 2 and 3: in the step
+    # document) (§9 item 3); GAP-R1: its place in the order
+    if ucl["kind"] == "delta" or ucl.get("layout") is not None or "logical" in ucl:
         raise UErr("unknown_extension", f"{what}: layout and delta steps are not implemented at Level 0")
     return meta
 
@@ -925,13 +934,14 @@ class Shard:
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
-def zstd_frame(payload: bytes, what: str) -> int | None:
+def zstd_frame(payload: bytes, what: str, code: str = "integrity_error") -> int | None:
     """Walk one zstd frame (RFC 8878 §3.1.1): §6.2 item 1 says an inner chunk is exactly one frame, so
     anything else (another magic, a dictionary, bytes after the frame, a frame cut short) is
-    integrity_error. Returns the declared Frame_Content_Size, or None when the header has none."""
+    integrity_error (``code``: schema_violation for packed members, §5.1 items 1-2). Returns the declared
+    Frame_Content_Size, or None when the header has none."""
 
     def bad(why: str) -> UErr:
-        return UErr("integrity_error", f"{what}: not exactly one zstd frame: {why}")
+        return UErr(code, f"{what}: not exactly one zstd frame: {why}")
 
     if len(payload) < 6 or payload[:4] != ZSTD_MAGIC:
         raise bad("no zstd magic")
@@ -990,6 +1000,85 @@ def zstd_decode(payload: bytes, size: int, what: str) -> bytes:
     except (ValueError, RuntimeError) as e:
         raise UErr("integrity_error", f"{what}: does not decode to exactly {size} bytes: {e}") from None
     return bytes(dest)
+
+
+# -- packed members of a version 3 step document (§5.1 "Packed members") ----------------------------------
+_PADDED_B64 = re.compile(r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$")
+
+
+def packed_declared_size(frame: bytes, what: str) -> int:
+    """§5.1 item 1, from the frame's header alone (RFC 8878 §3.1.1.1): the magic number, no
+    Dictionary_ID field (GAP-P1), a Frame_Content_Size present, at least 2 and at most
+    256 MiB. Nothing is decompressed before this passes."""
+
+    def bad(why: str) -> UErr:
+        return UErr("schema_violation", f"{what}: attributes.ucl.packed: {why}")
+
+    if len(frame) < 5 or frame[:4] != ZSTD_MAGIC:
+        raise bad("not a Zstandard frame (no magic number)")
+    fhd = frame[4]
+    fcs_flag, single, dict_flag = fhd >> 6, (fhd >> 5) & 1, fhd & 3
+    pos = 5 + (0 if single else 1)  # the Window_Descriptor, absent in a single-segment frame
+    nd = (0, 1, 2, 4)[dict_flag]
+    nf = (1 if single else 0, 2, 4, 8)[fcs_flag]
+    if len(frame) < pos + nd + nf:
+        raise bad("the frame header is cut short")
+    if nd:  # even a Dictionary_ID of 0: the field itself is refused (§5.1 item 1, GAP-P1 as answered)
+        raise bad("the frame has a Dictionary_ID field")
+    pos += nd
+    if not nf:
+        raise bad("the frame header does not declare its content size")
+    declared = int.from_bytes(frame[pos : pos + nf], "little") + (256 if nf == 2 else 0)
+    if declared < 2:
+        raise bad(f"the frame declares {declared} bytes, fewer than any JSON object")
+    if declared > MAX_DOC:
+        raise UErr("limit_exceeded", f"{what}: attributes.ucl.packed declares {declared} bytes, over 256 MiB")
+    return declared
+
+
+def expand_packed(doc: dict[str, Any], what: str) -> dict[str, Any]:
+    """§5.1 "Packed members", items 1-4 in their order: the version 3 document ``doc`` (attributes.ucl a
+    dict holding ``packed``) with its packed members in place and ``packed`` removed."""
+    ucl = doc["attributes"]["ucl"]
+    text = ucl["packed"]
+    # item 1: a string of padded base64 (RFC 4648 §4, no line breaks) of a Zstandard frame, its header sound
+    if not isinstance(text, str):
+        raise UErr("schema_violation", f"{what}: attributes.ucl.packed is not a string")
+    if not _PADDED_B64.match(text):
+        raise UErr("schema_violation", f"{what}: attributes.ucl.packed is not padded base64")
+    try:
+        frame = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise UErr("schema_violation", f"{what}: attributes.ucl.packed is not base64: {e}") from None
+    size = packed_declared_size(frame, what)
+    # item 2: exactly one frame, nothing after it, decompressing to exactly its declared size (never more)
+    zstd_frame(frame, f"{what}: attributes.ucl.packed", code="schema_violation")
+    dest = bytearray(size)
+    try:
+        _zstd.decompress(frame, dest)
+    except (ValueError, RuntimeError) as e:
+        raise UErr("schema_violation", f"{what}: attributes.ucl.packed does not decompress to exactly its "
+                   f"declared {size} bytes: {e}") from None
+    # item 3: a document of its own for §3.4, 127 levels deep at most (not an object: item 4's code)
+    inner = load_json(bytes(dest), f"{what}: attributes.ucl.packed's content", MAX_PACKED_DEPTH)
+    # item 4: at most ucl (an object) and consolidated_metadata, no member given twice
+    other = sorted(set(inner) - {"ucl", "consolidated_metadata"})
+    if other:
+        raise UErr("schema_violation", f"{what}: attributes.ucl.packed holds the member {other[0]!r}")
+    members = inner.get("ucl", {})
+    if not isinstance(members, dict):
+        raise UErr("schema_violation", f"{what}: attributes.ucl.packed's ucl is not an object")
+    twice = sorted(set(members) & set(ucl))
+    if twice:
+        raise UErr("schema_violation", f"{what}: {twice[0]!r} is both packed and in attributes.ucl")
+    if "consolidated_metadata" in inner and "consolidated_metadata" in doc:
+        raise UErr("schema_violation", f"{what}: consolidated_metadata is both packed and in the document")
+    out = dict(doc)
+    out["attributes"] = {**doc["attributes"], "ucl": {**{k: v for k, v in ucl.items() if k != "packed"},
+                                                      **members}}
+    if "consolidated_metadata" in inner:
+        out["consolidated_metadata"] = inner["consolidated_metadata"]
+    return out
 
 
 def read_box(store: Store, meta: StepMeta, a: ArrayMeta, box: list[tuple[int, int]]) -> bytes:
