@@ -14,7 +14,8 @@ made by the functions those ranks run (``compact_summary``, ``compact_arrays``),
 gloo carries them: ``gather_object`` pads every rank's object to the largest one's size; ``collect`` is
 point to point (only the representatives send); unpickling is timed as the coordinator's. Only the
 payloads' bytes are kept, so the coordinator's heap is its own. Metadata: the step's documents
-(``ucl.write.step.step_documents``) and the commit record (``CommitRecord`` of every rank's shard files) as
+(``ucl.write.step.step_documents``, format version 3: the step document packed, spec/core.md §5.1) and the
+commit record (``CommitRecord`` of every rank's shard files) as
 a save writes them; and the same for the next step stored as a delta of it with every shape kept ("delta
 step (all)": documents and record, every shard rewritten; its logical records are its parent's, by
 reference).
@@ -286,7 +287,7 @@ def main() -> None:
             f"{d['s']:.2f}", C.fmt_bytes(d["gathered"]), C.fmt_bytes(d["metadata"])]
         row += ["-"] * 3 if u is None or d is None else [
             f"{u['s'] / d['s']:.2f}x", f"{u['gathered'] / max(1, d['gathered']):.2f}x",
-            f"{u['full'] / d['metadata']:.1f}x / {u['delta'] / d['metadata']:.1f}x"]
+            f"{u['full'] / d['metadata']:.2f}x / {u['delta'] / d['metadata']:.2f}x"]
         rows.append(row)
         print(f"  world {world}: " + " | ".join(map(str, rows[-1])), flush=True)  # kept if a later world fails
     print(C.markdown_table(
