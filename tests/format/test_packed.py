@@ -6,6 +6,7 @@ A layout step's document is written packed and reads, validates and compacts as 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -63,13 +64,25 @@ def test_a_step_without_a_layout_stays_version_2(tmp_path: Path) -> None:
     assert doc["attributes"]["ucl"]["format_version"] == 2 and "consolidated_metadata" in doc
 
 
-def test_the_writer_compresses_once_per_content(tmp_path: Path) -> None:
-    """A manager's steps of one plan pack the same members (the step number stays outside): the frame is
-    made once and reused, and two steps' packed text is equal."""
+def test_the_writer_compresses_once_per_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manager's steps of one plan pack the same members (the step number stays outside): a writer's
+    document cache compresses them once, and compresses again when they change."""
+    from ucl.write.step import DocumentCache, step_documents
+
     _save(tmp_path, 1)
-    _save(tmp_path, 2)
-    a, b = (_doc(tmp_path, s)["attributes"]["ucl"] for s in (1, 2))
-    assert a["packed"] == b["packed"] and (a["step"], b["step"]) == (1, 2)
+    meta = ucl.open(tmp_path).meta
+    calls: list[bytes] = []
+    real = packed.pack
+    monkeypatch.setattr(packed, "pack", lambda inner: calls.append(inner) or real(inner))
+    cache = DocumentCache()
+    docs = [step_documents(dataclasses.replace(meta, step=s), cache)["zarr.json"] for s in (1, 2, 3)]
+    assert len(calls) == 1
+    texts = [json.loads(d)["attributes"]["ucl"] for d in docs]
+    assert len({t["packed"] for t in texts}) == 1 and [t["step"] for t in texts] == [1, 2, 3]
+    other_tree = {"t": "dict", "items": [["k", {"t": "value", "v": 1}]]}
+    step_documents(dataclasses.replace(meta, step=4, tree=other_tree), cache)
+    assert len(calls) == 2  # other members: packed anew
+    assert docs[0] == (tmp_path / "steps/1/zarr.json").read_bytes()  # what the save wrote
 
 
 def test_compaction_writes_a_packed_step(tmp_path: Path) -> None:

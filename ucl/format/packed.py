@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import struct
 
 from numcodecs import Zstd
 
@@ -25,18 +24,14 @@ _MAGIC = b"\x28\xb5\x2f\xfd"
 def pack(inner: bytes) -> str:
     """``inner`` (the JSON of the packed members) as ``attributes.ucl.packed``'s text."""
     frame = Zstd(LEVEL).encode(inner)
-    assert declared_size(frame, "packed") == len(inner)  # numcodecs writes the content size
+    assert _header(frame, "packed")[0] == len(inner)  # numcodecs writes the content size
     return base64.b64encode(frame).decode("ascii")
 
 
-def declared_size(frame: bytes, what: str) -> int:
-    """The content size a Zstandard frame's header declares (RFC 8878 §3.1.1.1): ``schema_violation``
-    when ``frame`` is no frame, declares none, or names a dictionary (packed members use none)."""
-    return _header(frame, what)[0]
-
-
 def _header(frame: bytes, what: str) -> tuple[int, int, bool]:
-    """(declared content size, where the first block starts, whether a content checksum ends the frame)."""
+    """A Zstandard frame's header (RFC 8878 §3.1.1.1): (the content size it declares, where its first
+    block starts, whether a content checksum ends the frame); ``schema_violation`` when ``frame`` is no
+    frame, declares no size, or has a Dictionary_ID field (packed members use no dictionary)."""
     if len(frame) < 6 or frame[:4] != _MAGIC:
         raise SchemaError(f"{what}: attributes.ucl.packed is not a Zstandard frame (RFC 8878)", file=what)
     fhd = frame[4]
@@ -95,7 +90,7 @@ def unpack(text: object, limit: int, what: str) -> bytes:
                           file=what)
     try:
         data = bytes(Zstd().decode(frame))
-    except (RuntimeError, ValueError, struct.error) as e:
+    except (RuntimeError, ValueError) as e:  # numcodecs' errors
         raise SchemaError(f"{what}: attributes.ucl.packed does not decompress: {e}", file=what) from None
     if len(data) != size:
         raise SchemaError(f"{what}: attributes.ucl.packed decompresses to {len(data)} bytes, its frame "
