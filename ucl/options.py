@@ -55,6 +55,9 @@ class ReadOptions:
     ----------
     threads
         Data reads of one plain read in flight (a step's pool, made for reads of more than 8 MiB).
+    check_threads
+        Threads of a bulk read that check (crc32c) and copy what the read threads read with O_DIRECT,
+        so that each read thread goes on to its next request at once (0: the read threads do it).
     index_threads
         Shard index reads in flight: small and latency-bound, so more than the data reads.
     segment_bytes
@@ -80,6 +83,7 @@ class ReadOptions:
     """
 
     threads: int = 4
+    check_threads: int = field(default_factory=lambda: min(2, os.cpu_count() or 1))
     index_threads: int = 8
     segment_bytes: int = 8 << 20
     direct: bool = True

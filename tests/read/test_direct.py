@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import errno
 import os
+import re
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -223,3 +225,71 @@ def test_device_refusing_the_alignment_falls_back(saved, direct, monkeypatch) ->
     ck = ucl.open(root / "r", options=ALL_DIRECT)
     assert torch.equal(_bulk(ck, "a"), st["a"]) and torch.equal(_bulk(ck, "b", slice(3, 600)), st["b"][3:600])
     assert not ck._files.ranges.direct and direct["direct"] == 0
+
+
+def _many(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A step of 40 arrays, 9.6 MB in all (a threaded read planned in several batches), inner chunks of
+    60 kB: segments of several chunks each."""
+    g = torch.Generator().manual_seed(5)
+    st = {f"t{i:02d}": torch.randn(60 + i, 1000, generator=g) for i in range(40)}
+    ucl.save(st, tmp_path / "m", step=0, options=WriteOptions(inner_chunk_bytes=60_000))
+    return tmp_path / "m", st
+
+
+@pytest.mark.parametrize("check_threads", [0, 2])
+def test_a_bulk_read_checks_on_its_check_threads(tmp_path, direct, monkeypatch, check_threads) -> None:  # type: ignore[no-untyped-def]
+    """Segments read with O_DIRECT are checked and copied on the step's check threads (the read threads
+    go on reading), or on the read threads with ``check_threads=0``; bit-exact either way, every segment
+    read once, in batches of arrays (the first read starts before the last array is planned)."""
+    import ucl.read.boxes as boxes
+
+    repo, st = _many(tmp_path)
+    where: list[str] = []
+    orig = boxes._from_memory
+
+    def spy(*a):  # type: ignore[no-untyped-def]
+        where.append(threading.current_thread().name)
+        return orig(*a)
+
+    monkeypatch.setattr(boxes, "_from_memory", spy)
+    batches: list[int] = []
+    orig_b = boxes._batches
+    monkeypatch.setattr(boxes, "_batches", lambda live, t: [batches.append(len(b)) or b for b in orig_b(live, t)])
+    opts = replace(ALL_DIRECT, check_threads=check_threads, segment_bytes=256 << 10)
+    with ucl.open(repo, options=opts) as ck:
+        out = {n: torch.empty_like(t) for n, t in st.items()}
+        ck.load_into(out)
+        assert all(torch.equal(out[n], st[n]) for n in st)
+    assert batches == [4, 8, 16, 12]  # every array in exactly one batch, in order
+    assert direct["direct"] == len(where) > 40
+    prefix = "ucl-check" if check_threads else "ucl-read"
+    assert all(w.startswith(prefix) for w in where), set(where)
+
+
+def test_a_damaged_chunk_found_on_a_check_thread_fails_the_read_and_frees_its_buffers(tmp_path, direct) -> None:  # type: ignore[no-untyped-def]
+    """A crc32c mismatch found on a check thread is the read's ChecksumError, naming the tensor; every
+    buffer slot comes back, so the next reads on the same step still run (and run bit-exact)."""
+    repo, st = _many(tmp_path)
+    [shard] = [p for p in (repo / "steps" / "0" / "t17").rglob("*") if p.is_file() and p.name != "zarr.json"]
+    data = bytearray(shard.read_bytes())
+    data[70_000] ^= 8  # the second inner chunk
+    shard.write_bytes(bytes(data))
+    healthy = {n: torch.empty_like(t) for n, t in st.items() if n != "t17"}
+    failed: list[BaseException] = []
+
+    def reads() -> None:
+        with ucl.open(repo, options=replace(ALL_DIRECT, segment_bytes=256 << 10)) as ck:
+            for _ in range(8):  # more failed reads than slots: a slot leaked by each would block a later one
+                try:
+                    ck.load_into({n: torch.empty_like(t) for n, t in st.items()})
+                except ChecksumError as e:
+                    failed.append(e)
+            ck.load_into(healthy)
+
+    t = threading.Thread(target=reads, daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "a read after failed ones did not finish"
+    assert len(failed) == 8
+    assert all(re.search(r"inner chunk \[1, 0\] of tensor 't17' fails its crc32c", str(e)) for e in failed)
+    assert all(torch.equal(healthy[n], st[n]) for n in healthy)

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ucl
+import ucl.io.ranges
 from ucl.errors import ChecksumError, ShardSizeError
 from ucl.format.metadata import CommitRecord
 from ucl.format.repository import commit_key
@@ -180,9 +181,19 @@ def test_a_wrong_guess_is_dropped_from_the_cache_when_the_read_fails(tmp_path: P
             assert name != "w" or np.array_equal(v, real)
 
 
+@pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("damaged", [False, True])
-def test_another_writers_layout_read_on_threads(tmp_path: Path, damaged: bool) -> None:
-    """The same on the threaded path a read of more than 8 MiB takes (4 inner chunks of 4 MiB, reversed)."""
+def test_another_writers_layout_read_on_threads(tmp_path: Path, damaged: bool, direct: bool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same on the threaded path a read of more than 8 MiB takes (4 inner chunks of 4 MiB, reversed);
+    ``direct``: every segment read with O_DIRECT and checked on the step's check threads
+    (ucl.read.boxes.Handoff), where a wrong guess is found."""
+    leased: list[int] = []
+    if direct:
+        monkeypatch.setattr(ucl.io.ranges, "mostly_cached", lambda *a: False)
+        orig = ucl.io.ranges.RangeReader._read_direct
+        monkeypatch.setattr(ucl.io.ranges.RangeReader, "_read_direct",
+                            lambda self, *a: leased.append(1) or orig(self, *a))
     repo = tmp_path / "r"
     want = torch.arange(1024 * 4096, dtype=torch.float32).reshape(1024, 4096)
     ucl.save({"big": want}, repo, 1)
@@ -210,6 +221,8 @@ def test_another_writers_layout_read_on_threads(tmp_path: Path, damaged: bool) -
             else:
                 assert not damaged and torch.equal(got, want)
             assert ck._pool is not None  # the threaded path
+            assert bool(leased) == direct
+            leased.clear()
             for (name, _), v in ck.files.indexes.items():
                 assert name != "big" or np.array_equal(v, real)
 
@@ -236,3 +249,28 @@ def test_the_prediction_is_the_writers_index_for_every_shard(dims: list[tuple[in
         assert guess is not None and guess[1] == len(data), (shard, guess and guess[1], len(data))
         n = index_nbytes(meta.n_inner)
         assert np.array_equal(guess[0], parse_index(meta, data[-n:], len(data), "t/c")), shard
+
+
+
+def test_a_damaged_chunk_of_another_writers_layout_is_named_right_on_a_check_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks in the order [0, 2, 1, 3] (another writer's, the same size) and chunk 2 damaged: the segment
+    planned by the guess finds chunk 2's bytes where it expects chunk 1, and the crc32c mismatch a check
+    thread finds there means "the guess was wrong" (segments read with O_DIRECT). The read done again by
+    the real index names the chunk that is damaged, [2, 0], not the one the guess expected there."""
+    monkeypatch.setattr(ucl.io.ranges, "mostly_cached", lambda *a: False)
+    repo = tmp_path / "r"
+    ucl.save({"big": torch.arange(1024 * 4096, dtype=torch.float32).reshape(1024, 4096)}, repo, 1)
+    real = _relayout(repo, "big", [0, 2, 1, 3])
+    p, _ = _shard(repo, "big")
+    with open(p, "r+b") as fh:
+        fh.seek(int(real[2][0]) + 4096)
+        b = fh.read(1)
+        fh.seek(int(real[2][0]) + 4096)
+        fh.write(bytes([b[0] ^ 4]))
+    for how in ("load", "load_into"):
+        with ucl.open(repo) as ck, pytest.raises(ChecksumError, match=r"inner chunk \[2, 0\] of tensor 'big'"):
+            if how == "load":
+                ck.load(flat=True)
+            else:
+                ck.load_into({"big": torch.empty(1024, 4096)})

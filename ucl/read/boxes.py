@@ -12,9 +12,11 @@ A read runs in three phases over any number of (array, box, destination) request
 2. plan (:mod:`ucl.read.chunks`): for each needed inner chunk, either read it straight into the
    destination or place it from a buffer; coalesce neighbouring chunks of a file into segments of at
    most ``segment_bytes``;
-3. execute the segments on the caller's pool: read
+3. execute the segments on the caller's pool (a threaded read plans and starts them in batches of
+   whole arrays, so that the first reads do not wait for the last array's plan): read
    each through the step's :class:`~ucl.io.ranges.RangeReader` (a cold segment of a bulk read -- load,
-   load_into -- with O_DIRECT into a pooled buffer, checked there, then copied; others, and every
+   load_into -- with O_DIRECT into a pooled buffer, checked there, then copied, on the step's check
+   threads when it has them (:class:`Handoff`), so each read thread goes on to its next request; others, and every
    segment of a lazy read, which leaves its pages cached for the next read, vectored straight into
    their destinations, checked
    after; the edge chunk of a row slice read in part: its rows in place, the rest through a small
@@ -40,6 +42,7 @@ from ucl.format.metadata import ArrayMeta
 from ucl.format.shardfile import check_chunk, chunk_checksum_error, index_nbytes
 from ucl.io import native as _native
 from ucl.io.prefault import Prefaulter
+from ucl.io.ranges import Lease
 from ucl.options import DEFAULT_READ, ReadOptions
 from ucl.read.chunks import ChunkRead, Request, WholeShard, covers, plan_request, segments, shards_of
 from ucl.read.files import StepFiles, truncated
@@ -90,45 +93,65 @@ class _Mispredicted(Exception):
     done again by the shards' real indexes, which name any real defect)."""
 
 
+class Handoff:
+    """The second stage of a bulk read: segments read with O_DIRECT are checked and copied to their
+    destinations on ``pool`` (the step's check threads) while the read threads go on to the next
+    segment, so the device keeps every read thread's request in flight instead of waiting while each
+    thread checks and copies what it read. ``slots`` bounds the leased buffers, read or being checked
+    (the read threads' and the check threads', each one segment buffer)."""
+
+    def __init__(self, pool: Executor, slots: int) -> None:
+        self.pool = pool
+        self.slots = threading.BoundedSemaphore(slots)
+        self.futures: list[Future[None]] = []  # appended by the read threads (list.append is atomic)
+
+
 def _execute(files: StepFiles, group: list[ChunkRead], direct: bool = True, tail: bytes | None = None,
-             guessed: bool = False) -> None:
+             guessed: bool = False, handoff: Handoff | None = None) -> None:
     """Read one segment (adjacent chunks of one file), check every chunk's crc32c, deliver it. A cold
     segment of a bulk read (``direct``) goes to the device with O_DIRECT into a pooled buffer and is
-    checked there before it is copied anywhere; other segments are read vectored straight into their
-    targets, then checked.
+    checked there before it is copied anywhere (on ``handoff``'s threads when given); other segments
+    are read vectored straight into their targets, then checked.
 
     ``guessed``: the chunks were planned by the shard's predicted index (``StepFiles.predicted_index``);
     ``tail``: the bytes that must follow the segment to the end of the file (the predicted index and its
     crc32c), read in the same request. Any check that fails then raises :class:`_Mispredicted`."""
     if not guessed:
-        return _read_segment(files, group, direct, b"")
+        return _read_segment(files, group, direct, b"", False, handoff)
     try:
-        _read_segment(files, group, direct, tail or b"")
+        _read_segment(files, group, direct, tail or b"", True, handoff)
     except (ChecksumError, ShardSizeError):
         raise _Mispredicted(group[0].key) from None
 
 
-def _read_segment(files: StepFiles, group: list[ChunkRead], direct: bool, tail: bytes) -> None:
+def _read_segment(files: StepFiles, group: list[ChunkRead], direct: bool, tail: bytes, guessed: bool,
+                  handoff: Handoff | None) -> None:
     c0 = group[0]
     want = sum(c.nbytes for c in group)
     raw = files.small.get(c0.key)
     if raw is not None:  # read whole with its index
         _from_memory(group, raw, 0)
         return
+    slot = handoff is not None and direct
+    if slot:
+        handoff.slots.acquire()  # type: ignore[union-attr]
     try:
         lease = files.read_direct(c0.key, c0.offset, want + len(tail)) if direct else None
-    except (FileNotFoundError, NotADirectoryError):
-        raise files.missing(c0.key, c0.meta.name) from None
+    except BaseException as e:
+        if slot:
+            handoff.slots.release()  # type: ignore[union-attr]
+        if isinstance(e, (FileNotFoundError, NotADirectoryError)):
+            raise files.missing(c0.key, c0.meta.name) from None
+        raise
     if lease is not None:
-        try:
-            if lease.view.nbytes < want + len(tail):
-                raise truncated(c0.key, c0.meta.name, lease.view.nbytes, want + len(tail), c0.offset)
-            if tail and lease.view[want:] != tail:
-                raise _Mispredicted(c0.key)
-            _from_memory(group, lease.view, c0.offset)
-        finally:
-            lease.release()
+        if handoff is not None:
+            handoff.futures.append(handoff.pool.submit(_checked, files, group, lease, want, tail, guessed,
+                                                       handoff.slots))
+            return
+        _from_lease(files, group, lease, want, tail)
         return
+    if slot:
+        handoff.slots.release()  # type: ignore[union-attr]
     if len(group) == 1 and c0.part is not None and not tail:
         _read_part(files, c0)
         return
@@ -154,6 +177,34 @@ def _read_segment(files: StepFiles, group: list[ChunkRead], direct: bool, tail: 
             c.place(data)
         _deliver_also(c, data)
         c.scratch = None  # delivered: its buffer is not needed any more (only its crc, for a digest)
+
+
+def _from_lease(files: StepFiles, group: list[ChunkRead], lease: Lease, want: int, tail: bytes) -> None:
+    """Check and deliver a segment read into a pooled buffer (and any tail after it); the buffer given
+    back whatever happens."""
+    c0 = group[0]
+    try:
+        if lease.view.nbytes < want + len(tail):
+            raise truncated(c0.key, c0.meta.name, lease.view.nbytes, want + len(tail), c0.offset)
+        if tail and lease.view[want:] != tail:
+            raise _Mispredicted(c0.key)
+        _from_memory(group, lease.view, c0.offset)
+    finally:
+        lease.release()
+
+
+def _checked(files: StepFiles, group: list[ChunkRead], lease: Lease, want: int, tail: bytes, guessed: bool,
+             slots: threading.BoundedSemaphore) -> None:
+    """:func:`_from_lease` on a check thread (:class:`Handoff`), with :func:`_execute`'s verdicts; its
+    slot given back after the buffer."""
+    try:
+        _from_lease(files, group, lease, want, tail)
+    except (ChecksumError, ShardSizeError):
+        if not guessed:
+            raise
+        raise _Mispredicted(group[0].key) from None
+    finally:
+        slots.release()
 
 
 def _plan_once(files: StepFiles, requests: list[Request], digests: list[WholeShard],
@@ -226,16 +277,18 @@ def _read_part(files: StepFiles, c: ChunkRead) -> None:
 
 
 def read(files: StepFiles, requests: Iterable[Request], pool: Executor | None = None,
-         options: ReadOptions = DEFAULT_READ, *, direct: bool = True) -> None:
+         options: ReadOptions = DEFAULT_READ, *, direct: bool = True, checks: Executor | None = None) -> None:
     """Fill every request's ``out`` from the step (the three phases in the module docstring).
     ``direct``: cold segments may bypass the page cache (O_DIRECT, where ``options.direct``): a bulk read
     (a whole state) that would otherwise pass every byte through the cache; a lazy read of a tensor or a
-    slice reads through it (False), so that the next read of those bytes is served from memory."""
+    slice reads through it (False), so that the next read of those bytes is served from memory.
+    ``checks``: with ``pool``, the ``options.check_threads`` threads that check and copy the segments
+    read with O_DIRECT (:class:`Handoff`); without it the read threads do."""
     requests = list(requests)
     pre = (Prefaulter.start_for((r.out.data_ptr(), r.out.nbytes) for r in requests)
            if options.prefault and pool is not None and files.store.is_local else None)
     try:
-        _read(files, requests, pool, options, direct)
+        _read(files, requests, pool, options, direct, checks)
     finally:
         if pre is not None:
             pre.stop()
@@ -246,7 +299,7 @@ Shard = tuple[str, tuple[int, ...]]  # (array name, shard coordinates): a key of
 
 
 def _read(files: StepFiles, requests: list[Request], pool: Executor | None, options: ReadOptions,
-          direct: bool, speculate: bool = True) -> None:
+          direct: bool, checks: Executor | None, speculate: bool = True) -> None:
     live = []
     for r in requests:
         if all(r.shape):
@@ -257,34 +310,47 @@ def _read(files: StepFiles, requests: list[Request], pool: Executor | None, opti
     # layout gives (predicted) instead of waiting for its index read (hundreds of small reads before the
     # first byte of data): its last segment reads on to the end of the file and must find that very
     # index there, and every chunk must pass its crc32c; else the read is done again by the real indexes
-    guessed = _guess(files, live) if speculate else {}
+    guessed: dict[str, _Guess] = {}
     again = False
     dfut: list[Future[None]] = []
+    handoff = (Handoff(checks, options.threads + options.check_threads)
+               if checks is not None and pool is not None and direct else None)
     try:
-        _indexes(files, live, {(g.meta.name, g.coords) for g in guessed.values()}, options,
-                 threads=pool is not None)
         digests: list[WholeShard] = []
-        unread = set(guessed)  # guessed shards whose index no segment reads (none, as planned: checked below)
-        known = {(g.meta.name, g.coords): g.predicted for g in guessed.values()}
-        for g in segments(_plan_once(files, [r for r, _ in live], digests, known), options.segment_bytes):
-            tail = _tail(guessed.get(g[0].key), g)
-            if tail is not None:
-                unread.discard(g[0].key)
-            planned = g[0].key in guessed
-            if pool is not None:
-                # no list of the chunks kept here: a segment's buffers go as soon as it is delivered
-                dfut.append(pool.submit(_execute, files, g, direct, tail, planned))
-                continue
-            try:
-                _execute(files, g, direct, tail, planned)
-            except _Mispredicted:
-                again = True
+        unread: set[str] = set()  # guessed shards whose index no segment reads (none, as planned: checked below)
+        for batch in _batches(live, pool is not None):
+            # planned and started batch by batch, so the device works while the rest is planned
+            # (planning hundreds of arrays takes tens of ms); a batch holds every request of its arrays,
+            # so a chunk several requests need is still read once (_plan_once)
+            new = _guess(files, batch) if speculate else {}
+            guessed.update(new)
+            unread.update(new)
+            _indexes(files, batch, {(g.meta.name, g.coords) for g in new.values()}, options,
+                     threads=pool is not None)
+            known = {(g.meta.name, g.coords): g.predicted for g in new.values()}
+            for g in segments(_plan_once(files, [r for r, _ in batch], digests, known), options.segment_bytes):
+                tail = _tail(guessed.get(g[0].key), g)
+                if tail is not None:
+                    unread.discard(g[0].key)
+                planned = g[0].key in guessed
+                if pool is not None:
+                    # no list of the chunks kept here: a segment's buffers go as soon as it is delivered
+                    dfut.append(pool.submit(_execute, files, g, direct, tail, planned, handoff))
+                    continue
+                try:
+                    _execute(files, g, direct, tail, planned)
+                except _Mispredicted:
+                    again = True
+                    break
+            if again:
                 break
         if dfut:
-            wait(dfut)
-            again = any(isinstance(f.exception(), _Mispredicted) for f in dfut)
+            wait(dfut)  # every read done: the checks they handed off are all in handoff.futures
+            done = dfut + (handoff.futures if handoff is not None else [])
+            wait(done)
+            again = any(isinstance(f.exception(), _Mispredicted) for f in done)
             if not again:
-                for f in dfut:
+                for f in done:
                     f.result()
         for key in unread if not again else ():
             u = guessed[key]
@@ -297,9 +363,28 @@ def _read(files: StepFiles, requests: list[Request], pool: Executor | None, opti
             files.indexes.update({(g.meta.name, g.coords): g.predicted for g in guessed.values()})
     finally:
         _settle(dfut)  # after an error in planning or reading, none of this read's work goes on
+        if handoff is not None:  # never cancelled: each gives back its buffer and its slot
+            wait(handoff.futures)
         files.small.clear()
     if again:
-        _read(files, requests, pool, options, direct, speculate=False)
+        _read(files, requests, pool, options, direct, checks, speculate=False)
+
+
+def _batches(live: Live, threaded: bool) -> list[Live]:
+    """``live`` in batches of whole arrays (every request of an array in one batch), growing from a few
+    arrays to many, in order; one batch when the read is not threaded."""
+    by_array: dict[str, Live] = {}
+    for item in live:
+        by_array.setdefault(item[0].meta.name, []).append(item)
+    groups = list(by_array.values())
+    if not threaded:
+        return [live]
+    out: list[Live] = []
+    i, n = 0, 4
+    while i < len(groups):
+        out.append([item for group in groups[i : i + n] for item in group])
+        i, n = i + n, n * 2
+    return out
 
 
 def _tail(guess: _Guess | None, g: list[ChunkRead]) -> bytes | None:

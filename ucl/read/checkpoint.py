@@ -75,6 +75,7 @@ class Checkpoint:
         self.options = options
         self._files = step_files(repo.store, step, record, options, format_version=meta.format_version)
         self._pool: ThreadPoolExecutor | None = None
+        self._checks: ThreadPoolExecutor | None = None  # a bulk read's check threads (ucl.read.boxes.Handoff)
         self._chain_steps: dict[int, tuple[StepMeta, StepFiles]] = {step: (meta, self._files)}
         self._chain: Any = None
         self._lock = threading.Lock()
@@ -305,8 +306,13 @@ class Checkpoint:
             with self._lock:  # zarr views read from several threads at once
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(self.options.threads, thread_name_prefix="ucl-read")
+        if direct and self._pool is not None and self._checks is None and self.options.check_threads > 0:
+            with self._lock:
+                if self._checks is None:
+                    self._checks = ThreadPoolExecutor(self.options.check_threads, thread_name_prefix="ucl-check")
         if plain:
-            read(self._files, plain, self._pool, self.options, direct=direct)
+            read(self._files, plain, self._pool, self.options, direct=direct,
+                 checks=self._checks if direct else None)
         if chained:  # delta-encoded tensors: through the step's chain (spec/delta.md §6.3), as one pipeline
             self._chain_reader().read_many(chained)
 
@@ -447,6 +453,9 @@ class Checkpoint:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._checks is not None:
+            self._checks.shutdown(wait=True)
+            self._checks = None
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -455,9 +464,10 @@ class Checkpoint:
         self.close()
 
     def __del__(self) -> None:
-        pool = getattr(self, "_pool", None)
-        if pool is not None:
-            pool.shutdown(wait=False)
+        for name in ("_pool", "_checks"):
+            pool = getattr(self, name, None)
+            if pool is not None:
+                pool.shutdown(wait=False)
 
 
 def open(path: str | os.PathLike[str] | Store, step: int | None = None, *,  # noqa: A001

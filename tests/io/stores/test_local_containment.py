@@ -378,3 +378,34 @@ def test_no_inodes_left_is_a_write_error(tiny_fs: Path, op: str) -> None:
     assert e.value.errno in (errno.ENOSPC, errno.EDQUOT)
     assert str(tiny_fs) in str(e.value)
 
+
+
+def test_a_directory_read_through_before_does_not_let_a_symlink_in_it_out(tmp_path: Path) -> None:
+    """Reads remember directories found to resolve inside the root (one lstat per path instead of a
+    realpath): a symlink planted later in such a directory, to a file or a directory outside, is still
+    refused, and a directory replaced by a symlink is refused as soon as it is forgotten (deleted)."""
+    repo, outside = tmp_path / "repo", tmp_path / "outside"
+    (repo / "steps" / "1" / "a").mkdir(parents=True)
+    (repo / "steps" / "1" / "a" / "x").write_bytes(b"in")
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"out")
+    store = LocalStore(str(repo))
+    assert store.read("steps/1/a/x") == b"in"
+    assert store._dir_inside(str(repo / "steps" / "1" / "a"))  # remembered
+    os.symlink(outside / "secret", repo / "steps" / "1" / "a" / "y")
+    os.symlink(outside, repo / "steps" / "1" / "a" / "z")
+    for key in ("steps/1/a/y", "steps/1/a/z/secret"):
+        with pytest.raises(InvalidNameError):
+            store.read(key)
+    store.delete_prefix("steps/1/a")
+    os.symlink(outside, repo / "steps" / "1" / "a")
+    with pytest.raises(InvalidNameError):
+        store.read("steps/1/a/secret")
+
+
+def test_a_read_before_the_root_exists_does_not_stop_a_writer_making_it(tmp_path: Path) -> None:
+    store = LocalStore(str(tmp_path / "new" / "repo"))
+    with pytest.raises(FileNotFoundError):
+        store.read("zarr.json")
+    store.write_atomic("steps/1/zarr.json", b"{}")
+    assert store.read("steps/1/zarr.json") == b"{}"
