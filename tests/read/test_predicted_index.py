@@ -75,6 +75,15 @@ def _relayout(repo: Path, name: str, order: list[int]) -> np.ndarray:
     return index
 
 
+def _flip(p: Path, offset: int) -> None:
+    """Flip one bit of the byte at ``offset`` of file ``p``."""
+    with open(p, "r+b") as fh:
+        fh.seek(offset)
+        b = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([b[0] ^ 4]))
+
+
 def _reads(repo: Path) -> dict[str, dict[str, torch.Tensor]]:
     """Every bulk way to read the whole step, each from a fresh open."""
     out = {}
@@ -202,11 +211,7 @@ def test_another_writers_layout_read_on_threads(tmp_path: Path, damaged: bool, d
         assert ck.array("big").meta.n_inner == 4
     if damaged:
         p, _ = _shard(repo, "big")
-        with open(p, "r+b") as fh:
-            fh.seek(int(real[1][0]) + 4096)
-            b = fh.read(1)
-            fh.seek(int(real[1][0]) + 4096)
-            fh.write(bytes([b[0] ^ 4]))
+        _flip(p, int(real[1][0]) + 4096)
     for how in ("load", "load_into"):
         with ucl.open(repo) as ck:
             dest = {"big": torch.empty(1024, 4096)}
@@ -263,11 +268,7 @@ def test_a_damaged_chunk_of_another_writers_layout_is_named_right_on_a_check_thr
     ucl.save({"big": torch.arange(1024 * 4096, dtype=torch.float32).reshape(1024, 4096)}, repo, 1)
     real = _relayout(repo, "big", [0, 2, 1, 3])
     p, _ = _shard(repo, "big")
-    with open(p, "r+b") as fh:
-        fh.seek(int(real[2][0]) + 4096)
-        b = fh.read(1)
-        fh.seek(int(real[2][0]) + 4096)
-        fh.write(bytes([b[0] ^ 4]))
+    _flip(p, int(real[2][0]) + 4096)
     for how in ("load", "load_into"):
         with ucl.open(repo) as ck, pytest.raises(ChecksumError, match=r"inner chunk \[2, 0\] of tensor 'big'"):
             if how == "load":

@@ -132,17 +132,16 @@ def _read_segment(files: StepFiles, group: list[ChunkRead], direct: bool, tail: 
     if raw is not None:  # read whole with its index
         _from_memory(group, raw, 0)
         return
-    slot = handoff is not None and direct
-    if slot:
-        handoff.slots.acquire()  # type: ignore[union-attr]
+    lease = None
+    if handoff is not None:  # (a bulk read's: direct) a buffer slot, kept while the lease is handed off
+        handoff.slots.acquire()
     try:
         lease = files.read_direct(c0.key, c0.offset, want + len(tail)) if direct else None
-    except BaseException as e:
-        if slot:
-            handoff.slots.release()  # type: ignore[union-attr]
-        if isinstance(e, (FileNotFoundError, NotADirectoryError)):
-            raise files.missing(c0.key, c0.meta.name) from None
-        raise
+    except (FileNotFoundError, NotADirectoryError):
+        raise files.missing(c0.key, c0.meta.name) from None
+    finally:
+        if handoff is not None and lease is None:
+            handoff.slots.release()  # nothing leased (read buffered below, or failed)
     if lease is not None:
         if handoff is not None:
             handoff.futures.append(handoff.pool.submit(_checked, files, group, lease, want, tail, guessed,
@@ -150,8 +149,6 @@ def _read_segment(files: StepFiles, group: list[ChunkRead], direct: bool, tail: 
             return
         _from_lease(files, group, lease, want, tail)
         return
-    if slot:
-        handoff.slots.release()  # type: ignore[union-attr]
     if len(group) == 1 and c0.part is not None and not tail:
         _read_part(files, c0)
         return

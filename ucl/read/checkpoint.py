@@ -306,9 +306,7 @@ class Checkpoint:
             with self._lock:  # zarr views read from several threads at once
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(self.options.threads, thread_name_prefix="ucl-read")
-        if direct and self._pool is not None and self._checks is None and self.options.check_threads > 0:
-            with self._lock:
-                if self._checks is None:
+                if self._checks is None and self.options.check_threads > 0:  # a bulk read's (boxes.Handoff)
                     self._checks = ThreadPoolExecutor(self.options.check_threads, thread_name_prefix="ucl-check")
         if plain:
             read(self._files, plain, self._pool, self.options, direct=direct,
