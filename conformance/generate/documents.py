@@ -19,7 +19,7 @@ import torch
 
 from ucl.plan.save import array_for
 
-from .fixture import Fx, crc, random_tensor, tiny, tiny_state
+from .fixture import Fx, crc, json_depth, random_tensor, tiny, tiny_state
 from .suite import Cases, sha
 
 S_DEPTH = "core.md §3.4 item 2"
@@ -47,7 +47,7 @@ def json_profile(root: Path, cases: Cases) -> None:
         fx = f"hostile/step_document_depth_{depth}"
         f, st = tiny(root, fx)
         f.edit_step_doc(1, lambda d, k=depth - 2: d["attributes"].__setitem__("user", _nested(k)))
-        assert _depth(f.read_json("steps/1/zarr.json")) == depth
+        assert json_depth(f.read_json("steps/1/zarr.json")) == depth
         if ok:
             cases.valid(f"a step document exactly {depth} levels deep is valid", S_DEPTH, fx, "validate")
             cases.reads(S_DEPTH, fx, {"w": st["w"]}, what=lambda _, d=depth: f" next to a {d}-level value")
@@ -234,14 +234,6 @@ def precedence(root: Path, cases: Cases) -> None:
     f.edit_commit(1, newer_record)
     cases.invalid("a commit record of version 3 with a field no version knows",
                   "core.md §7 item 5", fx, "unsupported_version")
-
-
-def _depth(v: Any) -> int:
-    if isinstance(v, dict):
-        return 1 + max((_depth(x) for x in v.values()), default=0)
-    if isinstance(v, list):
-        return 1 + max((_depth(x) for x in v), default=0)
-    return 0
 
 
 def _set_first_dim(f: Fx, token: bytes) -> None:

@@ -284,3 +284,12 @@ def rename_key(f: Fx, old: str, new: str) -> None:
         m[new] = m.pop(old)
 
     f.edit_step_doc(1, mv)
+
+
+def json_depth(v: Any) -> int:
+    """The nesting depth of a JSON value (a scalar 0, each object or array one more)."""
+    if isinstance(v, dict):
+        return 1 + max((json_depth(x) for x in v.values()), default=0)
+    if isinstance(v, list):
+        return 1 + max((json_depth(x) for x in v), default=0)
+    return 0

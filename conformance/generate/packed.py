@@ -31,7 +31,7 @@ from ucl.layout import parse_layout, parse_mesh
 from ucl.options import WriteOptions
 from ucl.testing.layout_reference import shard_local_state
 
-from .fixture import Fx, tiny
+from .fixture import Fx, json_depth, tiny
 from .layouts import SMALL_RULES, small_state
 from .suite import Cases
 
@@ -125,14 +125,6 @@ def nested(levels: int) -> Any:
     return node
 
 
-def depth(v: Any) -> int:
-    if isinstance(v, dict):
-        return 1 + max((depth(x) for x in v.values()), default=0)
-    if isinstance(v, list):
-        return 1 + max((depth(x) for x in v), default=0)
-    return 0
-
-
 def deep_extension(total: int) -> Callable[[dict[str, Any]], None]:
     """Content ``total`` levels deep (§3.4 item 2, the content's object at 1): an extension a reader may
     ignore (``must_understand: false``) whose configuration holds nested lists."""
@@ -141,7 +133,7 @@ def deep_extension(total: int) -> Callable[[dict[str, Any]], None]:
         # content 1, ucl 2, extensions 3, the extension 4, configuration 5, its "v" 5 + k
         ext = {"name": "example.deep", "configuration": {"v": nested(total - 5)}, "must_understand": False}
         inner["ucl"]["extensions"] = [ext]
-        assert depth(inner) == total
+        assert json_depth(inner) == total
 
     return edit
 
@@ -199,7 +191,7 @@ def _plain(root: Path, cases: Cases) -> None:
     fx = "valid/packed_content_depth_127"
     f, st = tiny(root, fx)
     f.edit_step_doc(1, lambda d: pack_doc(d, content=deep_extension(127)))
-    assert depth(expanded(f.read_json("steps/1/zarr.json"))) == 128
+    assert json_depth(expanded(f.read_json("steps/1/zarr.json"))) == 128
     cases.valid("packed content 127 levels deep (an ignorable extension's configuration; 128 once "
                 "expanded): valid", "core.md §5.1 item 3", fx, "validate")
     cases.reads("core.md §5.1 item 3", fx, {"w": st["w"]}, what=lambda _: " next to 127-level packed content")
@@ -267,29 +259,24 @@ def _defects(root: Path, cases: Cases) -> None:
     defect("content_other_member", "packed content with a member other than ucl and consolidated_metadata",
            "schema_violation", content=lambda inner: inner.__setitem__("attributes", {}))
 
-    def tree_twice(d: dict[str, Any]) -> None:
-        tree = d["attributes"]["ucl"]["tree"]
-        pack_doc(d)
-        d["attributes"]["ucl"]["tree"] = tree
+    # a member both packed and in place: the tree (in attributes.ucl) and consolidated_metadata (top level)
+    for fx, what, path in (
+            ("packed_member_also_unpacked", "the tree both packed and in attributes.ucl (the same tree twice)",
+             ("attributes", "ucl", "tree")),
+            ("packed_consolidated_metadata_twice",
+             "consolidated_metadata both packed and in the document (the same twice)", ("consolidated_metadata",))):
 
-    fx = "invalid/metadata/packed_member_also_unpacked"
-    f, _ = tiny(root, fx)
-    f.edit_step_doc(1, tree_twice)
-    what = "the tree both packed and in attributes.ucl (the same tree twice)"
-    cases.invalid(what, S_PACKED, fx, "schema_violation")
-    cases.error(f"{what}: the step does not open", S_PACKED, fx, "open", "schema_violation", {"step": 1})
+        def twice(d: dict[str, Any], path: tuple[str, ...] = path) -> None:
+            *up, name = path
+            value = _at(d, up)[name]
+            pack_doc(d)
+            _at(d, up)[name] = value
 
-    def cm_twice(d: dict[str, Any]) -> None:
-        cm = d["consolidated_metadata"]
-        pack_doc(d)
-        d["consolidated_metadata"] = cm
-
-    fx = "invalid/metadata/packed_consolidated_metadata_twice"
-    f, _ = tiny(root, fx)
-    f.edit_step_doc(1, cm_twice)
-    what = "consolidated_metadata both packed and in the document (the same twice)"
-    cases.invalid(what, S_PACKED, fx, "schema_violation")
-    cases.error(f"{what}: the step does not open", S_PACKED, fx, "open", "schema_violation", {"step": 1})
+        fx = f"invalid/metadata/{fx}"
+        f, _ = tiny(root, fx)
+        f.edit_step_doc(1, twice)
+        cases.invalid(what, S_PACKED, fx, "schema_violation")
+        cases.error(f"{what}: the step does not open", S_PACKED, fx, "open", "schema_violation", {"step": 1})
 
     # packed in a document of version 1 or 2 (the schema has it false): every member left in place, packed
     # holds none (as an expansion would find them), so packed's presence is the only defect
@@ -305,3 +292,9 @@ def _defects(root: Path, cases: Cases) -> None:
         what = f"a step document of format version {version} with attributes.ucl.packed (of no member)"
         cases.invalid(what, S_PACKED, fx, "schema_violation")
         cases.error(f"{what}: the step does not open", S_PACKED, fx, "open", "schema_violation", {"step": 1})
+
+
+def _at(d: dict[str, Any], path: list[str]) -> dict[str, Any]:
+    for k in path:
+        d = d[k]
+    return d
