@@ -293,3 +293,22 @@ def test_a_damaged_chunk_found_on_a_check_thread_fails_the_read_and_frees_its_bu
     assert len(failed) == 8
     assert all(re.search(r"inner chunk \[1, 0\] of tensor 't17' fails its crc32c", str(e)) for e in failed)
     assert all(torch.equal(healthy[n], st[n]) for n in healthy)
+
+
+def test_segments_a_bulk_read_reads_buffered_hold_no_buffer_slot(tmp_path, direct) -> None:  # type: ignore[no-untyped-def]
+    """A bulk read's segments below ``direct_min_bytes`` are read buffered, straight into their
+    destinations: the buffer slot each took for an O_DIRECT read is given back at once (hundreds of
+    them, far more than the slots, still finish), and the bytes are exact."""
+    repo, st = _many(tmp_path)
+    out = {n: torch.empty_like(t) for n, t in st.items()}
+
+    def read() -> None:
+        with ucl.open(repo, options=ReadOptions(segment_bytes=128 << 10)) as ck:
+            ck.load_into(out)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "the read did not finish"
+    assert direct["direct"] == 0  # every segment buffered
+    assert all(torch.equal(out[n], st[n]) for n in st)
