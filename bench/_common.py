@@ -330,8 +330,57 @@ def disk_read_bytes() -> int:
     return 0
 
 
+class Device:
+    """What an interval asked of the block device holding ``path`` and of the CPUs, from counters the
+    kernel keeps anyway (nothing sampled, so nothing taken from the code measured):
+    /sys/dev/block/M:m/stat (Documentation/block/stat.rst) and this process's CPU times (``os.times``,
+    its children's included: the C probes run as children).
+
+    ``Device(path).delta(before)`` of a :meth:`snapshot` taken at the start gives: ``busy``, the fraction
+    of the wall time with a request in flight (io_ticks); ``inflight``, the mean number in flight while
+    busy (time_in_queue / io_ticks); ``requests`` and ``kib`` (mean KiB per request), reads and writes
+    together; ``user`` / ``sys``, CPU seconds. Empty where the counters are missing (not Linux, a
+    filesystem without a block device)."""
+
+    def __init__(self, path: str) -> None:
+        path = os.path.abspath(path)
+        while not os.path.exists(path):  # a directory not made yet: the device of its nearest ancestor
+            path = os.path.dirname(path)
+        st = os.stat(path)
+        self.stat = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat"
+
+    def snapshot(self) -> tuple[float, list[int], os.times_result]:
+        try:
+            with open(self.stat) as fh:
+                fields = [int(x) for x in fh.read().split()]
+        except OSError:
+            fields = []
+        return time.perf_counter(), fields, os.times()
+
+    def delta(self, before: tuple[float, list[int], os.times_result]) -> dict[str, float]:
+        t1, f1, c1 = self.snapshot()
+        t0, f0, c0 = before
+        if len(f0) < 11 or len(f1) < 11:
+            return {}
+        d = [b - a for a, b in zip(f0, f1, strict=False)]
+        ticks, requests = d[9], d[0] + d[4]  # io_ticks (ms); reads + writes completed
+        return {
+            "busy": min(1.0, ticks / 1e3 / max(t1 - t0, 1e-9)),
+            "inflight": d[10] / ticks if ticks else 0.0,
+            "requests": requests,
+            "kib": (d[2] + d[6]) * 512 / 1024 / requests if requests else 0.0,
+            "user": (c1.user - c0.user) + (c1.children_user - c0.children_user),
+            "sys": (c1.system - c0.system) + (c1.children_system - c0.children_system),
+        }
+
+
 class Meter:
-    """Wall time, peak-RSS delta and disk bytes of the code inside ``with Meter() as m:``."""
+    """Wall time, peak-RSS delta, disk bytes and (``path``: the directory read or written) what the device
+    and the CPUs did (:class:`Device`) of the code inside ``with Meter() as m:``."""
+
+    def __init__(self, path: str | None = None) -> None:
+        self.device = Device(path) if path else None
+        self.dev: dict[str, float] = {}
 
     def __enter__(self) -> Meter:
         import gc
@@ -340,16 +389,20 @@ class Meter:
         reset_peak_rss()
         self.rss0 = rss()
         self.io0 = disk_read_bytes()
+        self.dev0 = self.device.snapshot() if self.device else None
         self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.seconds = time.perf_counter() - self.t0
+        if self.device is not None and self.dev0 is not None:
+            self.dev = self.device.delta(self.dev0)
         self.disk = disk_read_bytes() - self.io0
         self.peak_delta = max(0, peak_rss() - self.rss0)
 
     def result(self, **extra: Any) -> dict[str, Any]:
-        return {"seconds": self.seconds, "disk": self.disk, "peak_rss_delta": self.peak_delta, **extra}
+        return {"seconds": self.seconds, "disk": self.disk, "peak_rss_delta": self.peak_delta,
+                "device": self.dev, **extra}
 
 
 # -- isolated runs ---------------------------------------------------------------------------------

@@ -179,14 +179,17 @@ def save_child(case: str, size: str, root: str, steady: int) -> dict[str, Any]:
     state = build_state(size)
     nbytes = c.state_nbytes(state)
     clock = time.perf_counter
-    first: dict[str, float] = {}
-    runs: list[dict[str, float]] = []
+    first: dict[str, Any] = {}
+    runs: list[dict[str, Any]] = []
     probes: list[dict[str, Any]] = []
     phases: dict[str, Any] = {"first": None, "steady": []}
 
+    dev = c.Device(root)
+
     def probe(i: int) -> None:
         where = os.path.join(root, f"probe-{i}")
-        probes.append(c.probe_write(where, [nbytes]))
+        before = dev.snapshot()
+        probes.append({**c.probe_write(where, [nbytes]), "device": dev.delta(before)})
         remove(where)
 
     if case == "ucl":
@@ -197,6 +200,7 @@ def save_child(case: str, size: str, root: str, steady: int) -> dict[str, Any]:
         log.addHandler(h)
         log.setLevel(logging.DEBUG)
         where = os.path.join(root, "first")
+        before = dev.snapshot()
         t0 = clock()
         mgr = CheckpointManager(where)
         t1 = clock()
@@ -205,6 +209,7 @@ def save_child(case: str, size: str, root: str, steady: int) -> dict[str, Any]:
         handle.result()
         mgr.close()
         first["durable"] = clock() - t0
+        first["device"] = dev.delta(before)
         phases["first"] = h.by_step.get(0)
         del mgr, handle
         gc.collect()
@@ -214,11 +219,12 @@ def save_child(case: str, size: str, root: str, steady: int) -> dict[str, Any]:
         mgr.save(0, state).result()  # the warm-up
         for i in range(1, steady + 1):
             probe(i)
+            before = dev.snapshot()
             t0 = clock()
             handle = mgr.save(i, state)
             b = clock() - t0
             handle.result()
-            runs.append({"blocked": b, "durable": clock() - t0})
+            runs.append({"blocked": b, "durable": clock() - t0, "device": dev.delta(before)})
             phases["steady"].append(h.by_step.get(i))
             mgr.delete_step(i - 1)
             c.settle(root)
@@ -301,8 +307,10 @@ def load_child(d: str, order: list[str], drop: str) -> dict[str, Any]:
         gc.collect()
         if case == "probe read":
             R.cold(p, drop)
+            dev = c.Device(p["ucl"])
+            before = dev.snapshot()
             r = c.probe_read(R.shard_files(p))
-            results[case] = {"seconds": r["seconds"], "bytes": r["bytes"]}
+            results[case] = {"seconds": r["seconds"], "bytes": r["bytes"], "device": dev.delta(before)}
         else:
             results[case], _ = R.full_case(case, p, man, drop)
         gc.collect()
@@ -639,7 +647,45 @@ def report(
                 ],
             ),
         ]
+    out += _device_table(saves, loads)
     return "\n".join(out)
+
+
+def _device_table(saves: dict[str, list[dict[str, Any]]], loads: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """What the device and the CPUs did during ucl's cases and the probes (``c.Device``, medians)."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for r in saves.get("ucl", []):
+        runs.setdefault("save, first of a process: ucl", []).append(
+            {"seconds": r["first"]["durable"], **r["first"].get("device", {})})
+        runs.setdefault("save, steady: ucl", []).extend(
+            {"seconds": x["durable"], **x.get("device", {})} for x in r["steady"])
+        runs.setdefault("save: write probe", []).extend(
+            {"seconds": x["seconds"], **x.get("device", {})} for x in r["probes"])
+    for label, case in (("load: ucl load(flat=True)", LOAD_CASES[0]), ("load: ucl load_into", LOAD_CASES[1]),
+                        ("load: read probe", "probe read")):
+        for x in loads.get(case, []):
+            runs.setdefault(label, []).append({"seconds": x["seconds"], **x.get("device", {})})
+    rows = []
+    for label, xs in runs.items():
+        xs = [x for x in xs if "busy" in x]
+        if not xs:
+            continue
+        m = {k: _med([float(x[k]) for x in xs]) for k in ("seconds", "busy", "inflight", "requests", "kib",
+                                                          "user", "sys")}
+        rows.append([label, f"{m['seconds']:.2f}", f"{m['busy']:.0%}", f"{m['inflight']:.1f}",
+                     f"{m['requests']:.0f}", f"{m['kib']:.0f}", f"{m['user']:.2f}", f"{m['sys']:.2f}"])
+    if not rows:
+        return []
+    return [
+        "",
+        "What the device and the CPUs did (medians; /sys/dev/block/M:m/stat and os.times around each case: "
+        "busy = share of the wall time with a request in flight, in flight = the mean while busy, "
+        "requests and KiB per request as the block layer saw them, every process's I/O on that disk "
+        "included; CPU seconds of the measuring process, a probe's child included):",
+        "",
+        c.markdown_table(["case", "s", "device busy", "in flight", "requests", "KiB/request", "CPU user s",
+                          "CPU sys s"], rows),
+    ]
 
 
 def _probe_note(loads: dict[str, list[dict[str, Any]]]) -> str:

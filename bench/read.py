@@ -412,7 +412,7 @@ def full_case(c: str, p: dict[str, str], man: dict[str, Any], drop: str) -> tupl
     used = cold(p, drop)
     out: Any = None
     t_open = float("nan")
-    with C.Meter() as m:
+    with C.Meter(p["ucl"]) as m:
         if c.startswith("ucl"):
             import ucl
 

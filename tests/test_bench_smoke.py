@@ -88,6 +88,13 @@ def test_peers_bench_prints_the_table_with_probes_and_phases(tmp_path: Path) -> 
     # the same-run write probe, and ucl's phases
     assert rows["save durable, steady"][5] != "-"
     assert "where the time goes" in out and "| steady" in out
+    # what the device and the CPUs did, from the kernel's counters of the disk holding the repository
+    # (a filesystem without a block device, such as tmpfs, has none: the table is then left out)
+    st = os.stat(tmp_path)
+    if os.path.exists(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat"):
+        for case in ("save, steady: ucl", "save: write probe", "load: ucl load_into", "load: read probe"):
+            assert case in rows, f"no device row {case!r} in:\n{out}"
+            assert int(rows[case][3]) > 0, (case, rows[case])  # requests the block layer completed
 
 
 def test_composite_bench_prints_both_tables(tmp_path: Path) -> None:
