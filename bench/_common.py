@@ -334,7 +334,7 @@ class Device:
     """What an interval asked of the block device holding ``path`` and of the CPUs, from counters the
     kernel keeps anyway (nothing sampled, so nothing taken from the code measured):
     /sys/dev/block/M:m/stat (Documentation/block/stat.rst) and this process's CPU times (``os.times``,
-    its children's included: the C probes run as children).
+    its children's included).
 
     ``Device(path).delta(before)`` of a :meth:`snapshot` taken at the start gives: ``busy``, the fraction
     of the wall time with a request in flight (io_ticks); ``inflight``, the mean number in flight while
@@ -357,21 +357,28 @@ class Device:
             fields = []
         return time.perf_counter(), fields, os.times()
 
-    def delta(self, before: tuple[float, list[int], os.times_result]) -> dict[str, float]:
+    def delta(self, before: tuple[float, list[int], os.times_result], seconds: float | None = None
+              ) -> dict[str, float]:
+        """The counters since ``before``. ``seconds``: the timed part of the interval, where it is
+        shorter than the wall time between the snapshots (a probe times its I/O, not its start and the
+        touching of its memory): the busy share is of it, and the CPU times, which would include the
+        rest, are left out."""
         t1, f1, c1 = self.snapshot()
         t0, f0, c0 = before
         if len(f0) < 11 or len(f1) < 11:
             return {}
         d = [b - a for a, b in zip(f0, f1, strict=False)]
         ticks, requests = d[9], d[0] + d[4]  # io_ticks (ms); reads + writes completed
-        return {
-            "busy": min(1.0, ticks / 1e3 / max(t1 - t0, 1e-9)),
+        out = {
+            "busy": min(1.0, ticks / 1e3 / max(t1 - t0 if seconds is None else seconds, 1e-9)),
             "inflight": d[10] / ticks if ticks else 0.0,
             "requests": requests,
             "kib": (d[2] + d[6]) * 512 / 1024 / requests if requests else 0.0,
-            "user": (c1.user - c0.user) + (c1.children_user - c0.children_user),
-            "sys": (c1.system - c0.system) + (c1.children_system - c0.children_system),
         }
+        if seconds is None:
+            out["user"] = (c1.user - c0.user) + (c1.children_user - c0.children_user)
+            out["sys"] = (c1.system - c0.system) + (c1.children_system - c0.children_system)
+        return out
 
 
 class Meter:

@@ -40,6 +40,7 @@ import argparse
 import gc
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -189,7 +190,8 @@ def save_child(case: str, size: str, root: str, steady: int) -> dict[str, Any]:
     def probe(i: int) -> None:
         where = os.path.join(root, f"probe-{i}")
         before = dev.snapshot()
-        probes.append({**c.probe_write(where, [nbytes]), "device": dev.delta(before)})
+        r = c.probe_write(where, [nbytes])
+        probes.append({**r, "device": dev.delta(before, r["seconds"])})
         remove(where)
 
     if case == "ucl":
@@ -310,7 +312,8 @@ def load_child(d: str, order: list[str], drop: str) -> dict[str, Any]:
             dev = c.Device(p["ucl"])
             before = dev.snapshot()
             r = c.probe_read(R.shard_files(p))
-            results[case] = {"seconds": r["seconds"], "bytes": r["bytes"], "device": dev.delta(before)}
+            results[case] = {"seconds": r["seconds"], "bytes": r["bytes"],
+                             "device": dev.delta(before, r["seconds"])}
         else:
             results[case], _ = R.full_case(case, p, man, drop)
         gc.collect()
@@ -670,10 +673,11 @@ def _device_table(saves: dict[str, list[dict[str, Any]]], loads: dict[str, list[
         xs = [x for x in xs if "busy" in x]
         if not xs:
             continue
-        m = {k: _med([float(x[k]) for x in xs]) for k in ("seconds", "busy", "inflight", "requests", "kib",
-                                                          "user", "sys")}
+        m = {k: _med([float(x.get(k, math.nan)) for x in xs]) for k in ("seconds", "busy", "inflight",
+                                                                         "requests", "kib", "user", "sys")}
         rows.append([label, f"{m['seconds']:.2f}", f"{m['busy']:.0%}", f"{m['inflight']:.1f}",
-                     f"{m['requests']:.0f}", f"{m['kib']:.0f}", f"{m['user']:.2f}", f"{m['sys']:.2f}"])
+                     f"{m['requests']:.0f}", f"{m['kib']:.0f}",
+                     *("-" if m[k] != m[k] else f"{m[k]:.2f}" for k in ("user", "sys"))])
     if not rows:
         return []
     return [
@@ -681,7 +685,8 @@ def _device_table(saves: dict[str, list[dict[str, Any]]], loads: dict[str, list[
         "What the device and the CPUs did (medians; /sys/dev/block/M:m/stat and os.times around each case: "
         "busy = share of the wall time with a request in flight, in flight = the mean while busy, "
         "requests and KiB per request as the block layer saw them, every process's I/O on that disk "
-        "included; CPU seconds of the measuring process, a probe's child included):",
+        "included; CPU seconds of ucl's process, its threads' and the kernel's work for them; a probe's busy "
+        "share is of its own timed part, its CPU not shown):",
         "",
         c.markdown_table(["case", "s", "device busy", "in flight", "requests", "KiB/request", "CPU user s",
                           "CPU sys s"], rows),
