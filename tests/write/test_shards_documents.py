@@ -212,3 +212,56 @@ def _busy(t: threading.Thread) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def test_a_full_steps_directories_are_made_while_its_state_is_staged(tmp_path: Path) -> None:
+    # CheckpointManager.save hands the plan to ShardWriter.paths_ahead before the copy: the directories of
+    # step 2 are made while the persister is still held on step 1 (every open of the C writer stalls),
+    # long before the persister reaches step 2's job
+    state = a_state()
+    with CheckpointManager(tmp_path / "r") as mgr:
+        mgr.save(1, state).result()
+        arrays = ucl.Repository.open(str(tmp_path / "r")).step_meta(1).arrays.values()
+        native.inject_fault("stall")
+        try:
+            first = mgr.save(10, state)
+            second = mgr.save(11, state)  # the second staging slot: staged while step 10 is held
+            dirs = [(tmp_path / "r" / "steps" / "11" / a.shard_key((0,) * len(a.shape))).parent for a in arrays]
+            for _ in range(500):
+                if all(d.is_dir() for d in dirs):
+                    break
+                threading.Event().wait(0.01)
+            assert all(d.is_dir() for d in dirs), [str(d) for d in dirs if not d.is_dir()]
+            assert not first.done() and not second.done()
+        finally:
+            native.inject_fault(None)
+        first.result()
+        second.result()
+    assert ucl.Repository.open(str(tmp_path / "r")).steps() == [1, 10, 11]
+    assert ucl.validate(str(tmp_path / "r")).ok
+    got = ucl.load(str(tmp_path / "r"), 11)
+    assert torch.equal(got["model"]["embed"], state["model"]["embed"])  # type: ignore[index]
+
+
+def test_a_save_that_fails_before_its_first_job_forgets_its_paths(tmp_path: Path) -> None:
+    # making the staging slot fails (no memory): the save raises at once, is not left pending (close would
+    # wait for it), and the paths made ahead for it are dropped
+    state = a_state()
+    with CheckpointManager(tmp_path / "r") as mgr:
+        mgr.save(1, state).result()
+        real = mgr._staging.acquire
+
+        def refuse(nbytes: int) -> object:
+            raise MemoryError("no staging memory (test)")
+
+        mgr._staging.acquire = refuse  # type: ignore[method-assign]
+        try:
+            with pytest.raises(MemoryError):
+                mgr.save(2, state)
+        finally:
+            mgr._staging.acquire = real  # type: ignore[method-assign]
+        assert mgr._shards._early == {}
+        mgr.save(3, state).result()
+        assert mgr._shards._early == {}
+    assert ucl.Repository.open(str(tmp_path / "r")).steps() == [1, 3]
+    assert ucl.validate(str(tmp_path / "r")).ok

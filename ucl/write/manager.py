@@ -510,6 +510,9 @@ class CheckpointManager:
         # a full step's state goes to the persister in batches as it is copied, so its writes overlap the
         # copy (a delta's base, gradients and composite groups need the whole state staged first)
         batch = self._stream_bytes if self.delta is None and grads is None and groups is None else None
+        if self.delta is None and grads is None and groups is None:
+            # stored whole, every write a file: its directories are made while the state is copied
+            self._shards.paths_ahead(step, plan)
         queued = False  # a piece of this step is on the queue
         for i, piece in enumerate(pieces):
             stage = {s: tensors[s] for s in piece}
@@ -518,9 +521,11 @@ class CheckpointManager:
                     replayed = grads[0].replayed
                     stage = {s: t for s, t in stage.items() if s not in replayed}
                 stage.update(grads[1])
-            slot = self._staging.acquire(footprint(stage))
+            slot = None
             in_slot = False  # a batch in this slot is queued: the persister releases it
             try:
+                # (inside the try: waiting for a slot can be interrupted, and making one can fail)
+                slot = self._staging.acquire(footprint(stage))
                 for staged, last in self._staging.stage_batches(slot, stage, batch):
                     staged_bytes += sum(t.nbytes for t in staged.values())
                     if grads is not None:
@@ -535,14 +540,16 @@ class CheckpointManager:
                     queued = in_slot = True
             except BaseException as e:
                 if not queued:  # nothing queued yet: this save simply fails
-                    self._staging.release(slot)
+                    if slot is not None:
+                        self._staging.release(slot)
                     self._pending.remove(handle)
+                    self._shards.drop_ahead(step)
                     raise
                 # earlier pieces are queued: fail the step through its last piece, which releases the
                 # slot once the batches queued in it are written (they read from it)
                 self._queue.put(Job(step, replace(plan, writes=[]), tree, {}, slot if in_slot else None,
                                     future, error=e))
-                if not in_slot:
+                if not in_slot and slot is not None:
                     self._staging.release(slot)
                 raise
         self._kinds.saved(step, optimizer)
@@ -635,6 +642,7 @@ class CheckpointManager:
                 continue
             err = failed.pop(job.step, None)
             files = collected.pop(job.step, {})
+            self._shards.drop_ahead(job.step)  # what paths_ahead made that no write took (a failed step)
             if self._spread is not None:  # the peers' copies, before the step can commit
                 try:
                     self._spread.exchange(job.step, files if err is None else {})
