@@ -256,3 +256,30 @@ def test_wait_and_close_raise_only_failures_the_caller_has_not_seen(tmp_path, mo
         mgr.close()  # an unseen failure is still reported, once
     mgr.close()
     assert ucl.Repository.open(tmp_path).steps() == [2, 4]
+
+
+@pytest.mark.parametrize("fail_at", [1, 2])
+def test_a_slot_that_cannot_be_had_fails_the_save_at_once(tmp_path, monkeypatch, fail_at) -> None:
+    # Staging.acquire raising (no memory for a slot, or an interrupted wait for one), for the first piece
+    # of a save or a later one (the state streamed in pieces): save raises it, the step is not left
+    # pending (close() would wait for it), no slot is lost, and the next save commits
+    state = {f"t{i}": torch.full((64, 1024), float(i)) for i in range(4)}  # 256 KiB each
+    mgr = CheckpointManager(tmp_path / "r", staging_bytes=600 << 10)  # two tensors per piece
+    mgr.save(1, state).result()
+    real, calls = mgr._staging.acquire, []
+
+    def acquire(nbytes):
+        calls.append(nbytes)
+        if len(calls) == fail_at:
+            raise MemoryError("no staging memory (test)")
+        return real(nbytes)
+
+    monkeypatch.setattr(mgr._staging, "acquire", acquire)
+    with pytest.raises(MemoryError):
+        mgr.save(2, state)
+    monkeypatch.setattr(mgr._staging, "acquire", real)
+    mgr.save(3, state).result(timeout=60)
+    mgr.close(timeout=60)
+    assert ucl.Repository.open(str(tmp_path / "r")).steps() == [1, 3]
+    got = ucl.load(str(tmp_path / "r"), 3)
+    assert all(torch.equal(got[k], v) for k, v in state.items())

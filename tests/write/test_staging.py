@@ -390,8 +390,9 @@ def test_a_copy_failing_after_batches_were_queued_fails_the_step_and_frees_the_s
     mgr.save(2, state(2)).result(timeout=60)
     # the failed step's slot was released once the batches queued in it were written: no slot is held
     assert len(mgr._staging.slots) == 2 and not any(s.busy for s in mgr._staging.slots)
-    with pytest.raises(RuntimeError, match="device lost during the copy"):
-        mgr.close()  # the failed step's handle reports it, as any failed save's does
+    # save raised the failure, so close does not raise it again (as for a save that failed before any
+    # batch was queued: a failure the caller has seen is handled, CheckpointManager.wait)
+    mgr.close()
     assert ucl.Repository.open(tmp_path).steps() == [0, 2]
     assert_bits(flat(ucl.load(tmp_path, step=2)), flat(state(2)))
     assert ucl.validate(tmp_path).ok

@@ -510,9 +510,6 @@ class CheckpointManager:
         # a full step's state goes to the persister in batches as it is copied, so its writes overlap the
         # copy (a delta's base, gradients and composite groups need the whole state staged first)
         batch = self._stream_bytes if self.delta is None and grads is None and groups is None else None
-        if self.delta is None and grads is None and groups is None:
-            # stored whole, every write a file: its directories are made while the state is copied
-            self._shards.paths_ahead(step, plan)
         queued = False  # a piece of this step is on the queue
         for i, piece in enumerate(pieces):
             stage = {s: tensors[s] for s in piece}
@@ -543,10 +540,11 @@ class CheckpointManager:
                     if slot is not None:
                         self._staging.release(slot)
                     self._pending.remove(handle)
-                    self._shards.drop_ahead(step)
                     raise
                 # earlier pieces are queued: fail the step through its last piece, which releases the
-                # slot once the batches queued in it are written (they read from it)
+                # slot once the batches queued in it are written (they read from it); the caller sees the
+                # error raised here, so wait() and close() do not raise it again
+                handle.observed = True
                 self._queue.put(Job(step, replace(plan, writes=[]), tree, {}, slot if in_slot else None,
                                     future, error=e))
                 if not in_slot and slot is not None:
@@ -642,7 +640,6 @@ class CheckpointManager:
                 continue
             err = failed.pop(job.step, None)
             files = collected.pop(job.step, {})
-            self._shards.drop_ahead(job.step)  # what paths_ahead made that no write took (a failed step)
             if self._spread is not None:  # the peers' copies, before the step can commit
                 try:
                     self._spread.exchange(job.step, files if err is None else {})

@@ -8,7 +8,6 @@ object stores through a pool of uploads. Either way this rank's files are durabl
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from time import perf_counter as clock
@@ -55,34 +54,8 @@ class ShardWriter:
         self._file_writer: FileWriter | None = None
         self._uploads: ThreadPoolExecutor | None = None
         self._paths: ThreadPoolExecutor | None = None  # write_path ahead of the encoding (local stores)
-        self._early: dict[int, dict[str, Future[str | None]]] = {}  # step -> rel -> its path (paths_ahead)
-        self._early_lock = threading.Lock()  # paths_ahead runs on the caller's thread, write on the persister's
         self._phases: dict[int, dict[str, float]] = {}  # step -> its phases so far (a step in pieces)
         self._documents = DocumentCache()  # the arrays' documents, serialized once per plan
-
-    def paths_ahead(self, step: int, plan: saveplan.SavePlan) -> None:
-        """Start making the directories of a full step's shards now, on the path thread, while the caller
-        stages the state: the persister then finds them made (``write`` takes these paths) instead of
-        waiting for them after the copy. For a local repository only (the C writer's), and only for a
-        step that is stored whole, every write of ``plan`` a file (no delta, gradients or stale groups)."""
-        if not self.repo.store.is_local:
-            return
-        store, prefix, pool = self.repo.store, step_prefix(step), self._path_pool()
-        ahead = {}
-        for w in plan.writes:
-            rel = w.array.shard_key(w.coords)
-            ahead[rel] = pool.submit(store.write_path, f"{prefix}/{rel}")
-        with self._early_lock:
-            self._early[step] = ahead
-
-    def drop_ahead(self, step: int) -> None:
-        """Forget the paths made ahead for ``step`` (its save failed before its first job): those not
-        started are not made, those being made end."""
-        with self._early_lock:
-            ahead = self._early.pop(step, {})
-        for f in ahead.values():
-            f.cancel()
-        wait_all(ahead.values())
 
     def write(self, job: Job, base: DeltaBase | None) -> dict[str, FileEntry]:
         """Encode and write ``job``'s shards; returns their entries (relative path -> size, crc32c).
@@ -101,7 +74,6 @@ class ShardWriter:
             out = self._write(job, base, ph)
         except BaseException:
             self._phases.pop(job.step, None)
-            self.drop_ahead(job.step)
             raise
         ph["write"] += clock() - t_start
         if job.last_piece:
@@ -128,15 +100,10 @@ class ShardWriter:
         if fw is not None and base is None:
             # the files' paths checked and their directories made on a helper thread, ahead of the
             # encoding: mkdir and lstat release the GIL, so the kernel's directory work (a new step makes
-            # a few directories per array) overlaps the encoding instead of following it; those that
-            # paths_ahead started during the copy are taken as they are
+            # a few directories per array) overlaps the encoding instead of following it
             pool = self._path_pool()
-            with self._early_lock:
-                early = self._early.get(job.step, {})
-                for w, _ in writes:
-                    rel = w.array.shard_key(w.coords)
-                    made = early.pop(rel, None)
-                    ahead.append(made if made is not None else pool.submit(store.write_path, f"{prefix}/{rel}"))
+            ahead = [pool.submit(store.write_path, f"{prefix}/{w.array.shard_key(w.coords)}")
+                     for w, _ in writes]
         try:
             for i, (w, staged) in enumerate(writes):
                 t = clock()
