@@ -189,14 +189,23 @@ def drop_cache(paths: Iterable[str], method: str = "auto") -> str:
     return "drop_caches"
 
 
+def block_sysfs(path: str) -> str:
+    """/sys/dev/block/M:m of the block device holding ``path`` (a path not made yet: its nearest existing
+    ancestor's). It may not exist (tmpfs and other filesystems without a block device)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    st = os.stat(path)
+    return f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+
+
 def settle(path: str = ".", quiet_s: float = 0.2, timeout: float = 10.0) -> float:
     """``sync``, then wait until the block device holding ``path`` has had no request in flight for
     ``quiet_s`` (/sys/dev/block/M:m/inflight), at most ``timeout``: deleted files' discards, writeback
     and other processes' bursts end before the next measurement. Returns the seconds waited."""
     t0 = time.perf_counter()
     os.sync()
-    st = os.stat(path)
-    inflight = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/inflight"
+    inflight = block_sysfs(path) + "/inflight"
     if not os.path.exists(inflight):
         return time.perf_counter() - t0
     quiet_since = None
@@ -343,11 +352,7 @@ class Device:
     filesystem without a block device)."""
 
     def __init__(self, path: str) -> None:
-        path = os.path.abspath(path)
-        while not os.path.exists(path):  # a directory not made yet: the device of its nearest ancestor
-            path = os.path.dirname(path)
-        st = os.stat(path)
-        self.stat = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat"
+        self.stat = block_sysfs(path) + "/stat"
 
     def snapshot(self) -> tuple[float, list[int], os.times_result]:
         try:

@@ -279,6 +279,7 @@ def test_a_slot_that_cannot_be_had_fails_the_save_at_once(tmp_path, monkeypatch,
         mgr.save(2, state)
     monkeypatch.setattr(mgr._staging, "acquire", real)
     mgr.save(3, state).result(timeout=60)
+    assert not any(s.busy for s in mgr._staging.slots)  # every slot given back
     mgr.close(timeout=60)
     assert ucl.Repository.open(str(tmp_path / "r")).steps() == [1, 3]
     got = ucl.load(str(tmp_path / "r"), 3)

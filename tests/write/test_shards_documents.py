@@ -212,4 +212,3 @@ def _busy(t: threading.Thread) -> bool:
             return True
         frame = frame.f_back
     return False
-
