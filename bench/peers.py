@@ -27,7 +27,9 @@ every case); the tables give medians, with the range over rounds.
 
 Probes (bench/probe.c, built with the system cc): write, O_DIRECT, 4 requests x 8 MiB in flight from
 pre-touched memory (no copy, no checksum), fdatasync, timed open to close, one file of the state's bytes;
-read, the same in reverse over ucl's shard files into one touched destination.
+and the same over the sizes of ucl's files of a step (one syncfs, as ucl's save), which tells how much of
+ucl's distance to the one-file probe is the file layout's; read, the same in reverse over ucl's shard
+files into one touched destination.
 
 Ratios: "vs best peer" = the best peer's seconds / ucl's (> 1: ucl is faster); "vs probe" = the probe's
 seconds / ucl's (the fraction of the device's speed ucl reaches). The ucl profile table gives the
@@ -187,12 +189,18 @@ def save_child(case: str, size: str, root: str, steady: int) -> dict[str, Any]:
 
     dev = c.Device(root)
 
-    def probe(i: int) -> None:
-        where = os.path.join(root, f"probe-{i}")
-        before = dev.snapshot()
-        r = c.probe_write(where, [nbytes])
-        probes.append({**r, "device": dev.delta(before, r["seconds"])})
-        remove(where)
+    file_probes: list[dict[str, Any]] = []
+
+    def probe(i: int, sizes: list[int]) -> None:
+        """The one-file write probe, then the probe over the sizes of ucl's files of a step (one syncfs,
+        as ucl's save): what the device gives that file layout, beside what it gives one file."""
+        for out, sz, sync in ((probes, [nbytes], "fdatasync"), (file_probes, sizes, "syncfs")):
+            where = os.path.join(root, f"probe-{i}")
+            before = dev.snapshot()
+            r = c.probe_write(where, sz, sync=sync)
+            out.append({**r, "device": dev.delta(before, r["seconds"]), "files": len(sz)})
+            remove(where)
+            c.settle(root)
 
     if case == "ucl":
         from ucl.write.manager import CheckpointManager
@@ -219,8 +227,10 @@ def save_child(case: str, size: str, root: str, steady: int) -> dict[str, Any]:
         where = os.path.join(root, "steady")
         mgr = CheckpointManager(where)
         mgr.save(0, state).result()  # the warm-up
+        sizes = [os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(where, "steps", "0"))
+                 for f in fs]
         for i in range(1, steady + 1):
-            probe(i)
+            probe(i, sizes)
             before = dev.snapshot()
             t0 = clock()
             handle = mgr.save(i, state)
@@ -238,6 +248,7 @@ def save_child(case: str, size: str, root: str, steady: int) -> dict[str, Any]:
             "first": first,
             "steady": runs,
             "probes": probes,
+            "file_probes": file_probes,
             "phases": phases,
         }
 
@@ -483,6 +494,8 @@ def _brief(r: dict[str, Any]) -> str:
     out = f"first {r['first']['durable']:.2f} s, steady " + " ".join(f"{x['durable']:.2f}" for x in st)
     if r["probes"]:
         out += ", probes " + " ".join(f"{x['seconds']:.2f}" for x in r["probes"])
+    if r.get("file_probes"):
+        out += ", over ucl's files " + " ".join(f"{x['seconds']:.2f}" for x in r["file_probes"])
     return out
 
 
@@ -617,6 +630,15 @@ def report(
         "process); loads, the C read probe over ucl's shard files " + _probe_note(loads) + ".",
     ]
     out += notes
+    fprobes = [x for r in saves.get("ucl", []) for x in r.get("file_probes", [])]
+    if fprobes:
+        steady = [_med([x["durable"] for x in r["steady"]]) for r in saves["ucl"]]
+        fp = [x["seconds"] for x in fprobes]
+        out += ["", f"The write probe over the sizes of ucl's files of a step ({fprobes[0]['files']:,} files in one "
+                    "directory, each O_DIRECT and rounded up to 4 KiB, one syncfs; run before each steady save "
+                    f"beside the one-file probe): {_cell(fp)}; ucl's steady save reaches "
+                    f"{_med(fp) / _med(steady):.0%} of its speed (of the one-file probe's: "
+                    f"{_med([p['seconds'] for r in saves['ucl'] for p in r['probes']]) / _med(steady):.0%})."]
     opens = {t: [x["open_s"] for x in slices.get(f"ucl {t}", []) if x.get("open_s")] for t in ("cold", "warm")}
     if any(opens.values()):
         out += ["", "`ucl.open` alone, inside the ucl slice rows (a step of "
@@ -662,8 +684,11 @@ def _device_table(saves: dict[str, list[dict[str, Any]]], loads: dict[str, list[
             {"seconds": r["first"]["durable"], **r["first"].get("device", {})})
         runs.setdefault("save, steady: ucl", []).extend(
             {"seconds": x["durable"], **x.get("device", {})} for x in r["steady"])
-        runs.setdefault("save: write probe", []).extend(
+        runs.setdefault("save: write probe (one file)", []).extend(
             {"seconds": x["seconds"], **x.get("device", {})} for x in r["probes"])
+        for x in r.get("file_probes", []):
+            runs.setdefault(f"save: write probe (ucl's {x['files']:,} files)", []).append(
+                {"seconds": x["seconds"], **x.get("device", {})})
     for label, case in (("load: ucl load(flat=True)", LOAD_CASES[0]), ("load: ucl load_into", LOAD_CASES[1]),
                         ("load: read probe", "probe read")):
         for x in loads.get(case, []):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -87,12 +88,18 @@ def test_peers_bench_prints_the_table_with_probes_and_phases(tmp_path: Path) -> 
         assert vs_peer.endswith("x") and float(vs_peer[:-1]) > 0, (metric, rows[metric])
     # the same-run write probe, and ucl's phases
     assert rows["save durable, steady"][5] != "-"
+    # the write probe over the sizes of ucl's own files, and what ucl's steady save reaches of it
+    assert re.search(r"The write probe over the sizes of ucl's files of a step \([\d,]+ files.*"
+                     r"ucl's steady save reaches \d+% of its speed", out), out
     assert "where the time goes" in out and "| steady" in out
     # what the device and the CPUs did, from the kernel's counters of the disk holding the repository
     # (a filesystem without a block device, such as tmpfs, has none: the table is then left out)
     st = os.stat(tmp_path)
     if os.path.exists(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat"):
-        for case in ("save, steady: ucl", "save: write probe", "load: ucl load_into", "load: read probe"):
+        files = next((k for k in rows if re.fullmatch(r"save: write probe \(ucl's [\d,]+ files\)", k)), None)
+        assert files is not None, f"no device row of the write probe over ucl's files in:\n{out}"
+        for case in ("save, steady: ucl", "save: write probe (one file)", files, "load: ucl load_into",
+                     "load: read probe"):
             assert case in rows, f"no device row {case!r} in:\n{out}"
             assert int(rows[case][3]) > 0, (case, rows[case])  # requests the block layer completed
 
