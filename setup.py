@@ -6,7 +6,7 @@ setup(
     ext_modules=[
         Extension(
             "ucl._engine",
-            sources=["engine/module.c", "engine/crc32c.c", "engine/writer.c", "engine/devbench.c"],
+            sources=["engine/module.c", "engine/crc32c.c", "engine/writer.c", "engine/reader.c", "engine/devbench.c"],
             include_dirs=["engine"],
             extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror=implicit-function-declaration"],
             libraries=["pthread"],

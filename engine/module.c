@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <string.h>
 #include "crc32c.h"
+#include "reader.h"
 #include "writer.h"
 
 /* crc32c(buffer, value=0) -> int */
@@ -326,6 +327,61 @@ static PyObject *py_json_lint(PyObject *self, PyObject *args) {
     return Py_BuildValue("Li", deepest, wide);
 }
 
+/* read_segments(segs, chunks, tails, status, errs, crcs, bufs, buf_len) -> None: the bulk read engine
+   (reader.h) over packed tables (ucl/io/native.py builds them). The tables are checked against each
+   other here, so that no index or offset in them reaches outside a buffer; destination addresses are the
+   caller's (memory it holds for the call). */
+static PyObject *py_read_segments(PyObject *self, PyObject *args) {
+    Py_buffer v[7];
+    Py_ssize_t buf_len;
+    memset(v, 0, sizeof v);
+    if (!PyArg_ParseTuple(args, "y*y*y*w*w*w*y*n", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6], &buf_len))
+        return NULL;
+    const ucl_rseg *segs = v[0].buf;
+    const ucl_rchunk *chunks = v[1].buf;
+    size_t nseg = (size_t)v[0].len / sizeof(ucl_rseg), nchunk = (size_t)v[1].len / sizeof(ucl_rchunk);
+    size_t nbufs = (size_t)v[6].len / sizeof(uint64_t);
+    const char *bad = NULL;
+    if ((size_t)v[0].len % sizeof(ucl_rseg) || (size_t)v[1].len % sizeof(ucl_rchunk) || (size_t)v[6].len % 8)
+        bad = "a table's size is not a multiple of its entry's";
+    else if ((size_t)v[3].len < nseg * 4 || (size_t)v[4].len < nseg * 4 || (size_t)v[5].len < nchunk * 4)
+        bad = "an output is smaller than its table";
+    else if (nbufs < 1 || buf_len < 0 || buf_len % 4096)
+        bad = "no buffer, or a buffer length that is not a multiple of 4096";
+    for (size_t i = 0; !bad && i < nseg; i++) {
+        const ucl_rseg *s = &segs[i];
+        if (s->first > nchunk || s->nchunks > nchunk - s->first) bad = "a segment's chunks outside the chunk table";
+        else if (s->tail_off > (uint64_t)v[2].len || s->tail_len > (uint64_t)v[2].len - s->tail_off)
+            bad = "a segment's tail outside the tails";
+        else if (s->length > (1ull << 40) || s->tail_len > (1ull << 40) || s->offset > (1ull << 62))
+            bad = "a segment too large";
+        else if (ucl_read_span(s) > (uint64_t)buf_len) bad = "a segment larger than the buffers";
+        for (uint64_t k = 0; !bad && k < s->nchunks; k++) {
+            const ucl_rchunk *c = &chunks[s->first + k];
+            if (c->nbytes < 4 || c->off > s->length || c->nbytes > s->length - c->off)
+                bad = "a chunk outside its segment";
+        }
+    }
+    if (!bad) {
+        char *bufs[64];
+        int n = nbufs > 64 ? 64 : (int)nbufs;
+        for (int t = 0; t < n; t++) bufs[t] = (char *)(uintptr_t)((const uint64_t *)v[6].buf)[t];
+        for (int t = 0; t < n && !bad; t++)
+            if ((uintptr_t)bufs[t] % 4096) bad = "a buffer that is not 4 KiB-aligned";
+        if (!bad) {
+            Py_BEGIN_ALLOW_THREADS
+            ucl_read_segments(segs, nseg, chunks, v[2].buf, v[3].buf, v[4].buf, v[5].buf, bufs, n, (size_t)buf_len);
+            Py_END_ALLOW_THREADS
+        }
+    }
+    for (int i = 0; i < 7; i++) PyBuffer_Release(&v[i]);
+    if (bad) {
+        PyErr_Format(PyExc_ValueError, "read_segments: %s", bad);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"crc32c", py_crc32c, METH_VARARGS, NULL},
     {"crc32c_hw", py_crc32c_hw, METH_NOARGS, NULL},
@@ -333,6 +389,7 @@ static PyMethodDef methods[] = {
     {"inject_fault", py_inject_fault, METH_VARARGS, NULL},
     {"device_write", py_device_write, METH_VARARGS, NULL},
     {"json_lint", py_json_lint, METH_VARARGS, NULL},
+    {"read_segments", py_read_segments, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 
@@ -348,7 +405,9 @@ PyMODINIT_FUNC PyInit__engine(void) {
         PyModule_AddIntConstant(m, "FAULT_SHORT_WRITE", UCL_FAULT_SHORT_WRITE) ||
         PyModule_AddIntConstant(m, "FAULT_FDATASYNC", UCL_FAULT_FDATASYNC) ||
         PyModule_AddIntConstant(m, "FAULT_NO_DIRECT", UCL_FAULT_NO_DIRECT) ||
-        PyModule_AddIntConstant(m, "FAULT_STALL", UCL_FAULT_STALL)) {
+        PyModule_AddIntConstant(m, "FAULT_STALL", UCL_FAULT_STALL) ||
+        PyModule_AddIntConstant(m, "READ_OK", UCL_READ_OK) ||
+        PyModule_AddIntConstant(m, "READ_TAIL", UCL_READ_TAIL)) {
         Py_DECREF(m);
         return NULL;
     }

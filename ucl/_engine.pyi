@@ -30,3 +30,10 @@ def fsync_dir(path: bytes, /) -> int: ...  # errno, 0: done
 def inject_fault(kind: int, nth: int, errno: int, /) -> None: ...
 def device_write(path: bytes, nbytes: int, block: int, inflight: int, /) -> tuple[int, float]: ...  # (errno, s)
 def json_lint(data: Buffer, /) -> tuple[int, int]: ...  # (depth, wide integer)
+
+READ_OK: int
+READ_TAIL: int
+
+# read_segments(segs, chunks, tails, status, errs, crcs, bufs, buf_len): engine/reader.h's tables
+def read_segments(segs: Buffer, chunks: Buffer, tails: Buffer, status: Buffer, errs: Buffer, crcs: Buffer,
+                  bufs: Buffer, buf_len: int, /) -> None: ...

@@ -78,6 +78,10 @@ class ReadOptions:
         Pooled read buffers kept between reads (warm pages for the next read).
     prefault
         Map fresh destination pages on a side thread while the device works (:mod:`ucl.io.prefault`).
+    native
+        A bulk read's cold segments whose chunks go whole to contiguous destinations are read, checked and
+        copied by the C engine on ``threads`` threads (:mod:`ucl.read.bulk`); False: by the Python
+        pipeline, as every other segment. The same bytes, checks and errors either way.
     chain
         Delta-chain reads.
     """
@@ -92,6 +96,7 @@ class ReadOptions:
     fill_buffer_bytes: int = 64 << 20
     keep_buffer_bytes: int = 64 << 20
     prefault: bool = True
+    native: bool = True
     chain: ChainOptions = field(default_factory=ChainOptions)
 
 

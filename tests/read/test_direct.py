@@ -255,7 +255,8 @@ def test_a_bulk_read_checks_on_its_check_threads(tmp_path, direct, monkeypatch, 
     batches: list[int] = []
     orig_b = boxes._batches
     monkeypatch.setattr(boxes, "_batches", lambda live, t: [batches.append(len(b)) or b for b in orig_b(live, t)])
-    opts = replace(ALL_DIRECT, check_threads=check_threads, segment_bytes=256 << 10)
+    # the Python pipeline (the C engine's path, ucl.read.bulk, has its own tests: test_bulk.py)
+    opts = replace(ALL_DIRECT, check_threads=check_threads, segment_bytes=256 << 10, native=False)
     with ucl.open(repo, options=opts) as ck:
         out = {n: torch.empty_like(t) for n, t in st.items()}
         ck.load_into(out)
@@ -278,7 +279,8 @@ def test_a_damaged_chunk_found_on_a_check_thread_fails_the_read_and_frees_its_bu
     failed: list[BaseException] = []
 
     def reads() -> None:
-        with ucl.open(repo, options=replace(ALL_DIRECT, segment_bytes=256 << 10)) as ck:
+        # the Python pipeline's check threads (the C engine's path: test_bulk.py)
+        with ucl.open(repo, options=replace(ALL_DIRECT, segment_bytes=256 << 10, native=False)) as ck:
             for _ in range(8):  # more failed reads than slots: a slot leaked by each would block a later one
                 try:
                     ck.load_into({n: torch.empty_like(t) for n, t in st.items()})

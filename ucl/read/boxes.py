@@ -44,6 +44,7 @@ from ucl.io import native as _native
 from ucl.io.prefault import Prefaulter
 from ucl.io.ranges import Lease
 from ucl.options import DEFAULT_READ, ReadOptions
+from ucl.read import bulk
 from ucl.read.chunks import ChunkRead, Request, WholeShard, covers, plan_request, segments, shards_of
 from ucl.read.files import StepFiles, truncated
 
@@ -190,6 +191,15 @@ def _from_lease(files: StepFiles, group: list[ChunkRead], lease: Lease, want: in
         lease.release()
 
 
+def _execute_native(files: StepFiles, items: list[bulk.Item], threads: int, calls: threading.BoundedSemaphore) -> None:
+    """Segments of a bulk read through the C side (:mod:`ucl.read.bulk`); those it did not deliver read
+    again here the Python way, which raises what it finds (:class:`_Mispredicted` for a guessed shard)."""
+    with calls:
+        rest = bulk.read(files, items, threads)
+    for g, tail, planned in rest:
+        _execute(files, g, True, tail, planned)
+
+
 def _checked(files: StepFiles, group: list[ChunkRead], lease: Lease, want: int, tail: bytes, guessed: bool,
              slots: threading.BoundedSemaphore) -> None:
     """:func:`_from_lease` on a check thread (:class:`Handoff`), with :func:`_execute`'s verdicts; its
@@ -312,6 +322,9 @@ def _read(files: StepFiles, requests: list[Request], pool: Executor | None, opti
     dfut: list[Future[None]] = []
     handoff = (Handoff(checks, options.threads + options.check_threads)
                if checks is not None and pool is not None and direct else None)
+    # batches through the C engine (each on ``threads`` threads with a segment buffer each): two at once,
+    # so one batch's last reads overlap the next one's first, and the buffers stay bounded
+    engine_calls = threading.BoundedSemaphore(2)
     try:
         digests: list[WholeShard] = []
         unread: set[str] = set()  # guessed shards whose index no segment reads (none, as planned: checked below)
@@ -325,11 +338,15 @@ def _read(files: StepFiles, requests: list[Request], pool: Executor | None, opti
             _indexes(files, batch, {(g.meta.name, g.coords) for g in new.values()}, options,
                      threads=pool is not None)
             known = {(g.meta.name, g.coords): g.predicted for g in new.values()}
+            native: list[bulk.Item] = []  # this batch's segments for the C side (ucl.read.bulk)
             for g in segments(_plan_once(files, [r for r, _ in batch], digests, known), options.segment_bytes):
                 tail = _tail(guessed.get(g[0].key), g)
                 if tail is not None:
                     unread.discard(g[0].key)
                 planned = g[0].key in guessed
+                if direct and pool is not None and options.native and bulk.eligible(files, g, options):
+                    native.append((g, tail, planned))
+                    continue
                 if pool is not None:
                     # no list of the chunks kept here: a segment's buffers go as soon as it is delivered
                     dfut.append(pool.submit(_execute, files, g, direct, tail, planned, handoff))
@@ -339,6 +356,9 @@ def _read(files: StepFiles, requests: list[Request], pool: Executor | None, opti
                 except _Mispredicted:
                     again = True
                     break
+            if native:
+                assert pool is not None
+                dfut.append(pool.submit(_execute_native, files, native, options.threads, engine_calls))
             if again:
                 break
         if dfut:
