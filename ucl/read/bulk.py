@@ -1,11 +1,11 @@
 """The C fast path of a bulk read (load, load_into): segments read with O_DIRECT, every inner chunk's
 crc32c checked and its bytes copied to the destination on C threads without the GIL (engine/reader.c).
 
-Measured first (a 1.49 GB, 444-tensor step; cold cache; 8 interleaved rounds): the C read probe over the
-same files took 0.67 s, a Python reader of 8 MiB O_DIRECT requests on 4 threads with no check or copy
-0.81-0.86 s, and ucl's Python pipeline 0.97 s, 1.0 s with its checks and copies and 0.91 s without: not
-the depth of requests (threads 4-8, segments 8-16 MiB and more buffer slots changed nothing) but the
-Python work around each request, on 2 cores and one GIL.
+Measured first (a 1.49 GB, 444-tensor step; cold cache; fresh processes, interleaved): the C read probe
+over the same files took 0.67 s, a Python reader of 8 MiB O_DIRECT requests on 4 threads with no check
+or copy 0.81-0.86 s, ucl's Python pipeline 0.97 s, and 0.91 s with its checks and copies taken out. Not
+the depth of requests (4-8 threads, 8-16 MiB segments, more buffer slots changed nothing) but the Python
+work around each request, on 2 cores and one GIL, kept the device waiting.
 
 Only what the C side can vouch for goes there: a segment whose every chunk goes whole to one contiguous
 destination (raw chunks of a tensor, no compression, no chunk shared with another request, not a small
@@ -59,10 +59,10 @@ def eligible(files: StepFiles, group: list[ChunkRead], options: ReadOptions) -> 
 def _open(files: StepFiles, key: str) -> int | None:
     """An O_DIRECT descriptor of ``key``'s file, or None where the Python path should read it (not local,
     missing, not a regular file, no O_DIRECT, mostly cached): that path then reads it or names why not."""
-    path = files.local_path(key)
-    if path is None:
-        return None
     try:
+        path = files.local_path(key)
+        if path is None:
+            return None
         fd, st = open_regular(path, os.O_RDONLY | os.O_DIRECT, key)
     except (OSError, UCLError):  # the Python path raises it, named
         return None
