@@ -1,6 +1,6 @@
 """Peers: ucl beside torch, safetensors, DCP, tensorstore and the device probes, in one table.
 
-    ./dev bench peers [--size small|gpt2|medium|llama] [--reps 3] [--steady 4] [--sections save,load,slice]
+    ./dev bench peers [--size small|gpt2|gpt2-weights|medium|llama] [--reps 3] [--steady 4] [--sections save,load,slice]
                       [--dir DIR] [--keep]
 
 States: ``small``, ``gpt2`` (GPT-2 small, issue 14's 1.49 GB), ``medium``: a GPT-2-like fp32 model (vocabulary
@@ -58,7 +58,11 @@ import read as R  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
-STATES = [*c.SIZES, "llama"]  # tiny: a smoke test
+# tiny: a smoke test; gpt2-weights: gpt2's model alone (148 tensors: issue 14's open + slice "on a step of
+# ~150 tensors")
+STATES = [*c.SIZES, "gpt2-weights", "llama"]
+WEIGHTS = "-weights"
+
 SAVE_CASES = ["ucl", "torch.save", "safetensors", "dcp.save", "dcp.async_save"]
 SAVE_PEERS = SAVE_CASES[1:]
 # bench/read.py's full-load cases (less its buffered reader) and the C read probe
@@ -71,6 +75,8 @@ STEP = R.STEP  # read.py's cases read ucl's step 1
 def build_state(size: str) -> dict[str, Any]:
     if size == "llama":
         return c.llama_state()
+    if size.endswith(WEIGHTS):
+        return {f"model/{k}": v for k, v in c.gpt_state(size.removesuffix(WEIGHTS), fill="tiled").items()}
     return c.training_state(size, fill="tiled")
 
 
@@ -86,9 +92,10 @@ def describe(size: str, man: dict[str, Any]) -> str:
             f"{c.LLAMA['vocab']}"
         )
     else:
-        vocab, _ctx, d, layers = c.SIZES[size]
+        vocab, _ctx, d, layers = c.SIZES[size.removesuffix(WEIGHTS)]
         what = (
-            f"a GPT-2-like fp32 model (vocabulary {vocab}, width {d}, {layers} layers) with its AdamW state"
+            f"a GPT-2-like fp32 model (vocabulary {vocab}, width {d}, {layers} layers)"
+            + (" alone" if size.endswith(WEIGHTS) else " with its AdamW state")
         )
     return (
         f"state '{size}': {what}; {len(man['tensors'])} tensors, {c.fmt_bytes(man['nbytes'])}; embedding "
