@@ -327,24 +327,24 @@ static PyObject *py_json_lint(PyObject *self, PyObject *args) {
     return Py_BuildValue("Li", deepest, wide);
 }
 
-/* read_segments(segs, chunks, tails, status, errs, crcs, bufs, buf_len) -> None: the bulk read engine
+/* read_segments(segs, chunks, tails, status, crcs, bufs, buf_len) -> None: the bulk read engine
    (reader.h) over packed tables (ucl/io/native.py builds them). The tables are checked against each
    other here, so that no index or offset in them reaches outside a buffer; destination addresses are the
    caller's (memory it holds for the call). */
 static PyObject *py_read_segments(PyObject *self, PyObject *args) {
-    Py_buffer v[7];
+    Py_buffer v[6];
     Py_ssize_t buf_len;
     memset(v, 0, sizeof v);
-    if (!PyArg_ParseTuple(args, "y*y*y*w*w*w*y*n", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6], &buf_len))
+    if (!PyArg_ParseTuple(args, "y*y*y*w*w*y*n", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &buf_len))
         return NULL;
     const ucl_rseg *segs = v[0].buf;
     const ucl_rchunk *chunks = v[1].buf;
     size_t nseg = (size_t)v[0].len / sizeof(ucl_rseg), nchunk = (size_t)v[1].len / sizeof(ucl_rchunk);
-    size_t nbufs = (size_t)v[6].len / sizeof(uint64_t);
+    size_t nbufs = (size_t)v[5].len / sizeof(uint64_t);
     const char *bad = NULL;
-    if ((size_t)v[0].len % sizeof(ucl_rseg) || (size_t)v[1].len % sizeof(ucl_rchunk) || (size_t)v[6].len % 8)
+    if ((size_t)v[0].len % sizeof(ucl_rseg) || (size_t)v[1].len % sizeof(ucl_rchunk) || (size_t)v[5].len % 8)
         bad = "a table's size is not a multiple of its entry's";
-    else if ((size_t)v[3].len < nseg * 4 || (size_t)v[4].len < nseg * 4 || (size_t)v[5].len < nchunk * 4)
+    else if ((size_t)v[3].len < nseg * 4 || (size_t)v[4].len < nchunk * 4)
         bad = "an output is smaller than its table";
     else if (nbufs < 1 || buf_len < 0 || buf_len % 4096)
         bad = "no buffer, or a buffer length that is not a multiple of 4096";
@@ -365,16 +365,16 @@ static PyObject *py_read_segments(PyObject *self, PyObject *args) {
     if (!bad) {
         char *bufs[64];
         int n = nbufs > 64 ? 64 : (int)nbufs;
-        for (int t = 0; t < n; t++) bufs[t] = (char *)(uintptr_t)((const uint64_t *)v[6].buf)[t];
+        for (int t = 0; t < n; t++) bufs[t] = (char *)(uintptr_t)((const uint64_t *)v[5].buf)[t];
         for (int t = 0; t < n && !bad; t++)
             if ((uintptr_t)bufs[t] % 4096) bad = "a buffer that is not 4 KiB-aligned";
         if (!bad) {
             Py_BEGIN_ALLOW_THREADS
-            ucl_read_segments(segs, nseg, chunks, v[2].buf, v[3].buf, v[4].buf, v[5].buf, bufs, n, (size_t)buf_len);
+            ucl_read_segments(segs, nseg, chunks, v[2].buf, v[3].buf, v[4].buf, bufs, n, (size_t)buf_len);
             Py_END_ALLOW_THREADS
         }
     }
-    for (int i = 0; i < 7; i++) PyBuffer_Release(&v[i]);
+    for (int i = 0; i < 6; i++) PyBuffer_Release(&v[i]);
     if (bad) {
         PyErr_Format(PyExc_ValueError, "read_segments: %s", bad);
         return NULL;

@@ -23,7 +23,7 @@ typedef struct {
     size_t nseg;
     const ucl_rchunk *chunks;
     const uint8_t *tails;
-    int32_t *status, *errs;
+    int32_t *status;
     uint32_t *crcs;
     size_t buf_len;
     size_t next; /* atomic */
@@ -42,10 +42,7 @@ static int one(shared *sh, size_t i, char *buf) {
     while (got < need) {
         ssize_t n = pread((int)s->fd, buf + got, (size_t)(span - got), (off_t)(base + got));
         if (n < 0 && errno == EINTR) continue;
-        if (n < 0) {
-            sh->errs[i] = errno;
-            return UCL_READ_IO;
-        }
+        if (n < 0) return UCL_READ_IO;
         if (n == 0) break;
         got += (uint64_t)n;
         if ((uint64_t)n % ALIGN) break; /* an unaligned count only comes from the end of the file */
@@ -78,9 +75,8 @@ static void *worker(void *arg) {
 }
 
 void ucl_read_segments(const ucl_rseg *segs, size_t nseg, const ucl_rchunk *chunks, const uint8_t *tails,
-                       int32_t *status, int32_t *errs, uint32_t *crcs, char *const *bufs, int nbufs,
-                       size_t buf_len) {
-    shared sh = {segs, nseg, chunks, tails, status, errs, crcs, buf_len, 0};
+                       int32_t *status, uint32_t *crcs, char *const *bufs, int nbufs, size_t buf_len) {
+    shared sh = {segs, nseg, chunks, tails, status, crcs, buf_len, 0};
     worker_arg args[64];
     pthread_t th[64];
     int n = nbufs < 1 ? 1 : nbufs > 64 ? 64 : nbufs, started = 0;

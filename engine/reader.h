@@ -30,17 +30,17 @@ enum {
     UCL_READ_SHORT = 1, /* the file ended before the segment (and its tail) */
     UCL_READ_TAIL = 2,  /* the bytes after the chunks are not the expected ones */
     UCL_READ_CRC = 3,   /* a chunk's crc32c differs from the one stored after it */
-    UCL_READ_NOMEM = 4,
-    UCL_READ_IO = 5,    /* a read failed: errno in errs[] */
+    UCL_READ_NOMEM = 4, /* a span larger than buf_len (ucl._engine.read_segments refuses such tables) */
+    UCL_READ_IO = 5,    /* a read failed (the caller's own read of the segment names the error) */
 };
 
 /* Reads every segment on `nbufs` threads, one per buffer (4 KiB-aligned, buf_len bytes each, at least
    the largest segment's aligned span: the caller's, so that warm pages are reused), in table order,
-   each thread taking the next. Writes each segment's status and errno, and each chunk's stored crc32c
+   each thread taking the next. Writes each segment's status, and each chunk's stored crc32c
    (its little-endian value) to crcs. A chunk is copied only after its check passed; a failed segment's
    destinations may hold some of its checked chunks. */
 void ucl_read_segments(const ucl_rseg *segs, size_t nseg, const ucl_rchunk *chunks, const uint8_t *tails,
-                       int32_t *status, int32_t *errs, uint32_t *crcs, char *const *bufs, int nbufs,
+                       int32_t *status, uint32_t *crcs, char *const *bufs, int nbufs,
                        size_t buf_len);
 
 /* The aligned span a segment needs in a buffer. */

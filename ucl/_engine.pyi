@@ -34,6 +34,6 @@ def json_lint(data: Buffer, /) -> tuple[int, int]: ...  # (depth, wide integer)
 READ_OK: int
 READ_TAIL: int
 
-# read_segments(segs, chunks, tails, status, errs, crcs, bufs, buf_len): engine/reader.h's tables
-def read_segments(segs: Buffer, chunks: Buffer, tails: Buffer, status: Buffer, errs: Buffer, crcs: Buffer,
-                  bufs: Buffer, buf_len: int, /) -> None: ...
+# read_segments(segs, chunks, tails, status, crcs, bufs, buf_len): engine/reader.h's tables
+def read_segments(segs: Buffer, chunks: Buffer, tails: Buffer, status: Buffer, crcs: Buffer, bufs: Buffer,
+                  buf_len: int, /) -> None: ...

@@ -125,11 +125,11 @@ def test_the_engine_refuses_tables_that_reach_outside_their_buffers() -> None:
     chunk = np.zeros(1, bulk._CHUNK)
     buf = np.zeros(3 * 4096, np.uint8)
     addr = np.asarray([buf.ctypes.data + (-buf.ctypes.data % 4096)], np.uint64).tobytes()
-    out = bytearray(12)
+    out = bytearray(8)
     m = memoryview(out)
 
     def call(s: np.ndarray, c: np.ndarray, tails: bytes = b"", span: int = 4096) -> None:
-        _engine.read_segments(s.tobytes(), c.tobytes(), tails, m[:4], m[4:8], m[8:], addr, span)
+        _engine.read_segments(s.tobytes(), c.tobytes(), tails, m[:4], m[4:], addr, span)
 
     cases = [
         ({"length": 100, "first": 0, "nchunks": 2}, {"off": 0, "nbytes": 50}, "chunks outside the chunk table"),
@@ -147,7 +147,7 @@ def test_the_engine_refuses_tables_that_reach_outside_their_buffers() -> None:
         with pytest.raises(ValueError, match=re.escape(msg)):
             call(s, c)
     with pytest.raises(ValueError, match="not a multiple"):
-        _engine.read_segments(b"\0" * 7, b"", b"", m[:4], m[4:8], m[8:], addr, 4096)
+        _engine.read_segments(b"\0" * 7, b"", b"", m[:4], m[4:], addr, 4096)
     with pytest.raises(ValueError, match="4 KiB-aligned"):
         bad = np.asarray([buf.ctypes.data + (-buf.ctypes.data % 4096) + 8], np.uint64).tobytes()
-        _engine.read_segments(seg.tobytes(), b"", b"", m[:4], m[4:8], m[8:], bad, 4096)
+        _engine.read_segments(seg.tobytes(), b"", b"", m[:4], m[4:], bad, 4096)

@@ -110,13 +110,12 @@ def read(files: StepFiles, items: Sequence[Item], threads: int) -> list[Item]:
             bufs.append(b)
             skip = -b.ctypes.data % ALIGN
             views.append(b.ctypes.data + skip)
-        out = bytearray(4 * (2 * len(todo) + len(chunks)))  # status, errno (per segment), crc32c (per chunk)
+        out = bytearray(4 * (len(todo) + len(chunks)))  # status (per segment), crc32c (per chunk)
         m = memoryview(out)
-        _engine.read_segments(segs.tobytes(), chunks.tobytes(), tails, m[: 4 * len(todo)],
-                              m[4 * len(todo) : 8 * len(todo)], m[8 * len(todo) :],
+        _engine.read_segments(segs.tobytes(), chunks.tobytes(), tails, m[: 4 * len(todo)], m[4 * len(todo) :],
                               np.asarray(views, np.uint64).tobytes(), span)
         status = np.frombuffer(out, np.int32, len(todo))
-        crcs = np.frombuffer(out, np.uint32, offset=8 * len(todo))
+        crcs = np.frombuffer(out, np.uint32, offset=4 * len(todo))
         k = 0
         for i, it in enumerate(todo):
             g, tail, _ = it
