@@ -413,8 +413,10 @@ class Meter:
         self.peak_delta = max(0, peak_rss() - self.rss0)
 
     def result(self, **extra: Any) -> dict[str, Any]:
-        return {"seconds": self.seconds, "disk": self.disk, "peak_rss_delta": self.peak_delta,
-                "device": self.dev, **extra}
+        out = {"seconds": self.seconds, "disk": self.disk, "peak_rss_delta": self.peak_delta, **extra}
+        if self.device is not None:  # only where measured: the benches take medians over these fields
+            out["device"] = self.dev
+        return out
 
 
 # -- isolated runs ---------------------------------------------------------------------------------
