@@ -155,3 +155,21 @@ def test_reshard_flat_bench_prints_every_case(tmp_path: Path) -> None:
     for ln in rows:
         ratio = float(ln.split("|")[6].strip().rstrip("x"))
         assert 1.0 <= ratio < 3.0, ln
+
+
+def test_delta_read_bench_prints_every_read(tmp_path: Path) -> None:
+    """bench/delta_read.py at a tiny model: a row per read, cold and warm, each step read back checked
+    against the state written (its first round's --check), medians of two rounds, and the full step's own ratio
+    exactly 1."""
+    bench = ROOT / "bench" / "delta_read.py"
+    args = ["--d-model", "32", "--layers", "1", "--vocab", "64", "--warmup", "1", "--chain", "2", "--repeat", "2",
+            "--dir", str(tmp_path)]
+    proc = subprocess.run([sys.executable, str(bench), *args], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(proc.stdout)
+    for temp in ("cold", "warm"):
+        for label in ("full step (delta=None)", "base='previous', chain depth 2",
+                      "base='full', 1 delta 2 steps from its base"):
+            assert f"{temp}: {label}" in rows, f"no row {temp}: {label} in:\n{proc.stdout}"
+        assert rows[f"{temp}: full step (delta=None)"][1] == "1.00x"
