@@ -134,3 +134,25 @@ def test_edge_chunks_of_a_row_slice_read_in_part(tmp_path: Path, monkeypatch: py
         with ucl.open(str(tmp_path), options=opts) as ck, pytest.raises(ChecksumError, match=r"inner chunk \[1, 0\]"):
             ck["w"][10:30]
     shard.write_bytes(raw)
+
+
+def test_a_read_of_few_chunks_starts_no_read_threads(tmp_path: Path) -> None:
+    """A few rows of a large tensor touch one inner chunk: read on the caller's thread (starting the read
+    pool costs a fresh process ~2 ms a thread); a read that touches many chunks starts it. Both exact."""
+    import threading
+
+    w = torch.randn(12000, 1024)  # 49 MB: inner chunks of a few MiB
+    ucl.save({"w": w}, tmp_path / "ck", step=1)
+
+    def readers() -> set[threading.Thread]:  # (other tests' readers may still be winding down)
+        return {t for t in threading.enumerate() if t.name.startswith("ucl-read")}
+
+    before = readers()
+    with ucl.open(tmp_path / "ck") as ck:
+        meta = ck["w"].meta
+        rows = meta.inner_chunk_shape[0]
+        assert rows < 12000 and meta.inner_nbytes <= 8 << 20, meta.inner_chunk_shape
+        assert torch.equal(ck["w"][rows + 1 : rows + 9], w[rows + 1 : rows + 9])
+        assert not readers() - before
+        assert torch.equal(ck["w"][:, 5:9], w[:, 5:9])  # a column: every chunk
+        assert readers() - before
