@@ -328,7 +328,7 @@ static PyObject *py_json_lint(PyObject *self, PyObject *args) {
 }
 
 /* read_segments(segs, chunks, tails, status, crcs, bufs, buf_len) -> None: the bulk read engine
-   (reader.h) over packed tables (ucl/io/native.py builds them). The tables are checked against each
+   (reader.h) over packed tables (ucl/read/bulk.py builds them). The tables are checked against each
    other here, so that no index or offset in them reaches outside a buffer; destination addresses are the
    caller's (memory it holds for the call). */
 static PyObject *py_read_segments(PyObject *self, PyObject *args) {
@@ -406,8 +406,7 @@ PyMODINIT_FUNC PyInit__engine(void) {
         PyModule_AddIntConstant(m, "FAULT_FDATASYNC", UCL_FAULT_FDATASYNC) ||
         PyModule_AddIntConstant(m, "FAULT_NO_DIRECT", UCL_FAULT_NO_DIRECT) ||
         PyModule_AddIntConstant(m, "FAULT_STALL", UCL_FAULT_STALL) ||
-        PyModule_AddIntConstant(m, "READ_OK", UCL_READ_OK) ||
-        PyModule_AddIntConstant(m, "READ_TAIL", UCL_READ_TAIL)) {
+        PyModule_AddIntConstant(m, "READ_OK", UCL_READ_OK)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -31,8 +31,7 @@ def inject_fault(kind: int, nth: int, errno: int, /) -> None: ...
 def device_write(path: bytes, nbytes: int, block: int, inflight: int, /) -> tuple[int, float]: ...  # (errno, s)
 def json_lint(data: Buffer, /) -> tuple[int, int]: ...  # (depth, wide integer)
 
-READ_OK: int
-READ_TAIL: int
+READ_OK: int  # a segment's status: delivered (any other: read it again the caller's way)
 
 # read_segments(segs, chunks, tails, status, crcs, bufs, buf_len): engine/reader.h's tables
 def read_segments(segs: Buffer, chunks: Buffer, tails: Buffer, status: Buffer, crcs: Buffer, bufs: Buffer,

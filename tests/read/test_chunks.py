@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -139,8 +140,6 @@ def test_edge_chunks_of_a_row_slice_read_in_part(tmp_path: Path, monkeypatch: py
 def test_a_read_of_few_chunks_starts_no_read_threads(tmp_path: Path) -> None:
     """A few rows of a large tensor touch one inner chunk: read on the caller's thread (starting the read
     pool costs a fresh process ~2 ms a thread); a read that touches many chunks starts it. Both exact."""
-    import threading
-
     w = torch.randn(12000, 1024)  # 49 MB: inner chunks of a few MiB
     ucl.save({"w": w}, tmp_path / "ck", step=1)
 
