@@ -21,7 +21,7 @@ from ucl.write.manager import CheckpointManager
 from ucl.write.policy import DeltaPolicy
 from ucl.write.prune import Prune
 
-from .fixture import Fx
+from .fixture import V1, Fx
 from .suite import S_COMMIT, Cases
 
 SOURCE = "valid/composite"
@@ -44,7 +44,7 @@ def composite_run(path: Path) -> dict[int, dict[str, torch.Tensor]]:
              "model/head.w": dyadic((2, 4), 1903)}
     out: dict[int, dict[str, torch.Tensor]] = {}
     policy = DeltaPolicy(base="previous", prune=Prune(threshold=1e-3, max_age=8))
-    with CheckpointManager(path, delta=policy) as mgr:
+    with CheckpointManager(path, delta=policy, options=V1) as mgr:
         for step in (1, 2, 3):
             if step > 1:
                 state["model/layers.0.w"][0, 0] += 1 / 1024  # relative update ~1e-4: stale

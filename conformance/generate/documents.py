@@ -149,6 +149,25 @@ def documents(root: Path, cases: Cases) -> None:
                 "validate")
     cases.reads("core.md §7", fx, {"w": w}, boxes={"w": [[[1, 3], [0, 3]]]})
 
+    # documents as ucl's writers of 2026-11 wrote them: whitespace after `:` and `,`, indented, and no
+    # dimension_names (which writers of today write, §6 item 6: MAY). Both are valid: readers parse JSON,
+    # not bytes (§3.4 item 6), and never need dimension_names
+    fx = "valid/documents_spaced_without_dimension_names"
+    f, st = tiny(root, fx, seed=1204)
+    docs = sorted(str(p.relative_to(f.path)) for p in f.path.rglob("zarr.json"))
+    for rel in docs:
+        d = f.read_json(rel)
+        d.pop("dimension_names", None)
+        for entry in d.get("consolidated_metadata", {}).get("metadata", {}).values():
+            entry.pop("dimension_names", None)
+        f.put(rel, json.dumps(d, indent=1).encode())
+    f.reseal(1, *(rel.split("/", 2)[2] for rel in docs if rel.startswith("steps/1/")))
+    assert b'": ' in f.read("steps/1/w/zarr.json") and b"dimension_names" not in f.read("steps/1/zarr.json")
+    cases.valid("documents written with whitespace and without dimension_names are valid",
+                "core.md §6 item 6", fx, "validate")
+    cases.valid("and the step opens", "core.md §3.4 item 6", fx, "open", step=1, keys=sorted(st))
+    cases.reads("core.md §6 item 6", fx, st)
+
     # tree depth: 32 is the limit (a tensor at depth 32 has a 32-segment name), 33 is past it
     fx = "valid/tree_depth_32"
     f = Fx(root, fx)
