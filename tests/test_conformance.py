@@ -212,3 +212,39 @@ def test_runner_catches_wrong_data() -> None:
     )
     passed, detail = runner.judge(Lying(), case, FIXTURES)
     assert not passed and "WRONG DATA" in detail
+
+
+def _recorded_fingerprint() -> tuple[str, str]:
+    """(torch version, device) of the optimizer fingerprint the gradient-record fixtures were written with."""
+    doc = json.loads((FIXTURES / "valid/gradient_records/steps/2/zarr.json").read_bytes())
+    (fp,) = [e["configuration"]["fingerprint"] for e in doc["attributes"]["ucl"]["extensions"]]
+    return fp["torch_version"], fp["device"]
+
+
+def test_the_generator_writes_the_committed_fixtures() -> None:
+    """``python -m conformance.generate --check``: regenerated, the fixtures and cases are byte for byte the
+    committed ones, so a fixture can be added or changed by the generator without rewriting the others.
+
+    The gradient-record fixtures hold the optimizer fingerprint of the machine that wrote them (torch build
+    and ATen CPU capability, README "Gradient records"); on a machine with another one only those differ."""
+    import torch
+
+    r = subprocess.run([sys.executable, "-m", "conformance.generate", "--check"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode in (0, 1), f"the generator failed:\n{r.stderr[-3000:]}"
+    diffs = [x for x in r.stdout.splitlines() if x.startswith(("differs:", "only in"))]
+    assert (r.returncode == 1) == bool(diffs), r.stdout[-3000:]
+    here = (torch.__version__, f"cpu:{torch.backends.cpu.get_cpu_capability()}")
+    if here != _recorded_fingerprint():
+        diffs = [x for x in diffs if b'"fingerprint"' not in _fixture_documents(x)]
+    assert not diffs, f"{len(diffs)} files differ from what the generator writes:\n" + "\n".join(diffs[:20])
+
+
+def _fixture_documents(line: str) -> bytes:
+    """The step documents of the fixture a ``--check`` line names (its path under fixtures/)."""
+    path = Path(line.split(": ", 1)[1])
+    rel = path.relative_to(FIXTURES).as_posix() if path.is_relative_to(FIXTURES) else ""
+    m = re.match(r"(valid/[^/]+|invalid/[^/]+/[^/]+|hostile/[^/]+)", rel)
+    if m is None:
+        return b""
+    return b"".join(p.read_bytes() for p in (FIXTURES / m.group(1)).glob("steps/*/zarr.json"))
