@@ -153,11 +153,20 @@ def test_bad_records_are_named(logical: Any, attrs: dict[str, Any], error: type[
         StepMeta.from_dict(_doc(logical, **attrs), "doc")
 
 
-def test_a_version_2_array_document_holds_no_record() -> None:
+@pytest.mark.parametrize("rec", [W, {}], ids=["record", "empty"])
+def test_a_version_2_array_document_holds_no_record(rec: dict[str, Any]) -> None:
+    """Not even ``{}`` (no record): the member itself is refused (spec/core.md §6 item 5), in the entry
+    and in the array's own document."""
     doc = StepMeta(step=2, kind="full", tree=TREE, arrays={"w": BLOCKED}).to_dict()
-    doc["consolidated_metadata"]["metadata"]["w"]["attributes"]["ucl"]["logical"] = W
+    doc["consolidated_metadata"]["metadata"]["w"]["attributes"]["ucl"]["logical"] = rec
     with pytest.raises(SchemaError, match="holds no logical record"):
         StepMeta.from_dict(doc, "doc")
+    plain = replace(BLOCKED, logical=None)
+    own = plain.to_dict()
+    own["attributes"]["ucl"]["logical"] = rec
+    with pytest.raises(SchemaError, match="holds no logical record"):
+        metadata.check_array_document(metadata.dumps(own), plain, 2, "w/zarr.json")
+    metadata.check_array_document(metadata.dumps(plain.to_dict()), plain, 2, "w/zarr.json")
 
 
 # -- a delta step taking its parent's records, through the writer and the readers -----------------

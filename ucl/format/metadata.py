@@ -510,9 +510,10 @@ def check_array_document(raw: bytes, arr: ArrayMeta, format_version: int, what: 
     """``raw``, an array's own document, says what its consolidated entry ``arr`` says (spec/core.md
     §5.1): ``inconsistent_metadata`` where it differs; ``schema`` where a version 2 document holds the
     logical record, which that version keeps in the step document (spec/layout.md §6.3)."""
-    on_disk = ArrayMeta.from_dict(loads(raw, what), what)
+    doc = loads(raw, what)
+    on_disk = ArrayMeta.from_dict(doc, what)
     if format_version >= 2:
-        if on_disk.logical is not None:
+        if _holds_logical(doc):
             raise SchemaError(f"{what}: the array document of a version {format_version} step holds no "
                               "logical record (it is in the step document's attributes.ucl.logical)",
                               tensor=arr.name, file=what)
@@ -717,6 +718,15 @@ class Arrays(Mapping[str, ArrayMeta]):
         return Arrays(self._nodes, self._what, None, records)
 
 
+def _holds_logical(doc: Any) -> bool:
+    """Whether an array document (or consolidated entry) has the member ``attributes.ucl.logical``: any
+    value, ``{}`` (no record, spec/layout.md §6.3) included, is refused in a step of version 2 or 3, which
+    keeps the records in its step document (spec/core.md §6 item 5)."""
+    attrs = doc.get("attributes") if isinstance(doc, dict) else None
+    u = attrs.get("ucl") if isinstance(attrs, dict) else None
+    return isinstance(u, dict) and "logical" in u
+
+
 def _entry(key: str, node: Any, version: int, what: str) -> ArrayMeta:
     """An array's entry of a step's consolidated metadata, checked (spec/core.md §10.2 items 4-5): its
     document, its name against its key, and no logical record in the document of a version 2 step."""
@@ -724,8 +734,8 @@ def _entry(key: str, node: Any, version: int, what: str) -> ArrayMeta:
     if meta.key != key:
         raise InconsistentMetadataError(f"{what}: array at {key!r} names itself {meta.name!r}", tensor=meta.name,
                                         file=what)
-    if version >= 2 and meta.logical is not None:
-        raise SchemaError(f"{what}: {key}: the array document of a version {version} step holds no logical "
+    if version >= 2 and _holds_logical(node):
+        raise SchemaError(f"{what}: {key}: an array entry of a version {version} step holds no logical "
                           "record (it is in the step document's attributes.ucl.logical)",
                           tensor=meta.name, file=what)
     return meta
