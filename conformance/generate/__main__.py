@@ -36,6 +36,7 @@ from . import (
     repository,
     shapes,
     sharding,
+    version2,
 )
 from .suite import Suite
 
@@ -61,6 +62,7 @@ FEATURES = (
     layouts,
     composite,
     packed,
+    version2,
 )
 
 

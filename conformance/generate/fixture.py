@@ -20,7 +20,7 @@ import torch
 
 import ucl
 from ucl.format import metadata
-from ucl.format.metadata import ArrayMeta, StepMeta
+from ucl.format.metadata import ArrayMeta, CommitRecord, StepMeta
 from ucl.format.repository import Repository
 from ucl.format.shardfile import file_digest
 from ucl.io import native as _native
@@ -72,8 +72,11 @@ def seal_commit(doc: dict[str, Any]) -> bytes:
 class Fx:
     """A fixture repository under fixtures/<rel>, built with ucl's writer and then edited by hand."""
 
-    def __init__(self, root: Path, rel: str) -> None:
+    def __init__(self, root: Path, rel: str, version: int = 1) -> None:
         self.rel = rel
+        #: the format version its steps are written in (1, or 2 for cases/version2.json: then its commit
+        #: records stay grouped, ``ucl_commit`` 2, through edits)
+        self.version = version
         self.path = root / rel
         if self.path.exists() or self.path.is_symlink():
             raise SystemExit(f"fixture {rel} is declared twice")
@@ -81,7 +84,8 @@ class Fx:
 
     # -- writing ---------------------------------------------------------------------------------
     def save(self, state: dict[str, Any], step: int, compression: str | None = None) -> None:
-        ucl.save(state, self.path, step=step, compression=compression, options=V1)
+        ucl.save(state, self.path, step=step, compression=compression,
+                 options=WriteOptions(format_version=self.version))
         self.fix_time(step)
 
     def write(
@@ -94,7 +98,7 @@ class Fx:
         """A step of arrays with chosen chunk grids, written shard by shard as ranks would."""
         arrays = list(arrays)
         repo = Repository.open(self.path, create=True)
-        w = StepWriter(repo, step, format_version=1)
+        w = StepWriter(repo, step, format_version=self.version)
         w.begin()
         files = {}
         for meta, t in arrays:
@@ -138,9 +142,17 @@ class Fx:
         return doc
 
     def edit_commit(self, step: int, fn: Callable[[dict[str, Any]], Any]) -> None:
-        """Change the commit record and recompute its checksum."""
+        """Change the commit record and recompute its checksum; in a fixture of version 2 the record is
+        written back grouped (``ucl_commit`` 2) as ucl's writer groups it."""
         doc = self.commit_doc(step)
         fn(doc)
+        if self.version == 2:
+            body = {k: v for k, v in doc.items() if k != "checksum"}
+            rec = CommitRecord(step=body.pop("step"), kind=body.pop("kind"), parent=body.pop("parent"),
+                               time=body.pop("time"), files={k: tuple(v) for k, v in body.pop("files").items()})
+            assert body == {"ucl_commit": 1}, f"{self.rel}: a grouped record cannot hold {sorted(body)}"
+            self.put(f"commits/{step}.json", rec.to_bytes())
+            return
         self.put(f"commits/{step}.json", seal_commit(doc))
 
     def reseal(self, step: int, *rels: str) -> None:

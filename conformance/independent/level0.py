@@ -4,8 +4,8 @@
 Level 0 (core.md §1): full steps of plain arrays. Layout records (spec/layout.md), delta steps and
 gradient records (spec/delta.md) are not implemented and are refused with ``unknown_extension``, as
 core.md §9 item 3 says for a Level-0 reader. Step documents of format versions 1 to 3 (a version 3
-document's packed members expanded first, core.md §5.1 "Packed members"); every other document, commit
-records included, of version 1.
+document's packed members expanded first, core.md §5.1 "Packed members"); commit records of ``ucl_commit``
+1 and 2 (files grouped by prefix, core.md §7); every other document of version 1.
 
 It does not import ucl. It is served over the JSON-lines protocol of conformance/runner.py
 (``python level0.py`` reads requests on stdin, one response line per request). Section numbers in the
@@ -39,7 +39,8 @@ sys.setrecursionlimit(10000)
 MAX_DOC = 268_435_456  # §3.4 item 1
 MAX_JSON_DEPTH = 128  # §3.4 item 2
 MAX_PACKED_DEPTH = 127  # §5.1 "Packed members" item 3: the content's members are one level deeper
-STEP_VERSIONS = 3  # step documents of format versions 1 to 3 (§9 items 5, 6); every other document 1
+STEP_VERSIONS = 3  # step documents of format versions 1 to 3 (§9 items 5, 6)
+COMMIT_VERSIONS = 2  # commit records of ucl_commit 1 and 2 (§7, §9 item 5); every other document 1
 INT_MIN, INT_MAX = -(2**63), 2**64 - 1  # §3.4 item 3
 TOTAL_BYTES_LIMIT = 2**62  # §6 item 1: below 2^62 bytes
 MAX_INNER_PER_SHARD = 2**24  # §6 item 4
@@ -470,7 +471,7 @@ def load_commit(store: Store, step: int) -> dict[str, Any]:
         rec = load_json(data, key)
     except UErr as e:
         raise UErr("corrupt_commit_record", e.message) from None
-    check_version(rec, "ucl_commit", key)
+    check_version(rec, "ucl_commit", key, COMMIT_VERSIONS)
     cs = rec.get("checksum")
     if not is_int(cs):
         raise UErr("corrupt_commit_record", f"{key}: no integer checksum")
@@ -486,6 +487,15 @@ def load_commit(store: Store, step: int) -> dict[str, Any]:
         check_schema("commit.schema.json", rec, key)
     except UErr as e:
         raise UErr("corrupt_commit_record", e.message) from None
+    if rec["ucl_commit"] == 2:  # §7: {prefix: {rest: entry}} lists prefix/rest (rest under "")
+        flat: dict[str, Any] = {}
+        for prefix, group in rec["files"].items():
+            for rest, entry in group.items():
+                path = f"{prefix}/{rest}" if prefix else rest
+                if path in flat:
+                    raise UErr("corrupt_commit_record", f"{key}: {path!r} is listed twice")
+                flat[path] = entry
+        rec = {**rec, "files": flat}
     check_extensions(rec.get("extensions"), key)
     for f in rec["files"]:
         check_key_segments(f)
@@ -578,10 +588,10 @@ def _is_zstd(c: dict[str, Any]) -> bool:
     return "checksum" not in cfg or isinstance(cfg["checksum"], bool)
 
 
-def check_array(key: str, doc: Any) -> ArrayMeta:
-    """One array document, in the order of §10.2 items 3-4 (after §3.4, which its step document passed):
-    data type, schema, name, ranks and division, limits, codecs, layout or delta record. The name against
-    the key is the caller's (§10.2 item 5)."""
+def check_array(key: str, doc: Any, version: int) -> ArrayMeta:
+    """One array document of a step of format ``version``, in the order of §10.2 items 3-4 (after §3.4,
+    which its step document passed): data type, schema, name, ranks and division, limits, codecs, layout or
+    delta record. The name against the key is the caller's (§10.2 item 5)."""
     what = f"array {key!r}"
     if not isinstance(doc, dict):
         raise UErr("schema_violation", f"{what}: not an object")
@@ -590,6 +600,8 @@ def check_array(key: str, doc: Any) -> ArrayMeta:
         raise UErr("unsupported_dtype", f"{what}: data type {dt!r}")  # §6 item 7
     check_schema("array.schema.json", doc, what)
     ucl = doc["attributes"]["ucl"]
+    if version >= 2 and "logical" in ucl:  # §6 item 5: version 2 keeps the records in the step document
+        raise UErr("schema_violation", f"{what}: attributes.ucl.logical in a step of version {version}")
     try:
         check_name(ucl["name"])  # §5.2 item 3
     except UErr as e:
@@ -756,7 +768,7 @@ def open_step_doc(
     checked: list[ArrayMeta] = []
     for key, node in good:
         try:
-            checked.append(check_array(key, node))
+            checked.append(check_array(key, node, ucl["format_version"]))
         except UErr as e:
             fail(key, e)
     # each array's name against its key (§5.2 item 3)
@@ -1223,7 +1235,8 @@ def validate_step(store: Store, step: int, probs: Problems) -> None:
         rel = f"{a.key}/zarr.json"
         try:
             doc = load_json(read_listed(store, step, rel, meta.files, f"array {name!r}"), rel)
-            check_array(a.key, doc)  # GAP-R5: §10.2 items 3-4, then equality with the consolidated copy
+            # GAP-R5: §10.2 items 3-4, then equality with the consolidated copy
+            check_array(a.key, doc, meta.doc["attributes"]["ucl"]["format_version"])
             if not json_equal(doc, a.doc):
                 raise UErr("inconsistent_metadata", f"{rel} differs from the consolidated metadata")  # §5.1
         except UErr as e:
