@@ -84,6 +84,11 @@ def write(out: Path, only: frozenset[str] | None = None) -> Suite:
     suite = build(fixtures, only)
     for lock in fixtures.rglob(".ucl-writer.lock"):  # the writers' lock files are not part of a fixture
         lock.unlink()
+    # git holds no empty folder, so a fixture holds none either: one left by a deleted chunk
+    # (c/3 after c/3/0 is unlinked) would be absent from a clone and make --check differ there
+    for folder in sorted((p for p in fixtures.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        if not any(folder.iterdir()):
+            folder.rmdir()
     cases = out / "cases"
     cases.mkdir(parents=True, exist_ok=True)
     for feature, items in suite.by_feature.items():
