@@ -151,3 +151,32 @@ def test_the_engine_refuses_tables_that_reach_outside_their_buffers() -> None:
     with pytest.raises(ValueError, match="4 KiB-aligned"):
         bad = np.asarray([buf.ctypes.data + (-buf.ctypes.data % 4096) + 8], np.uint64).tobytes()
         _engine.read_segments(seg.tobytes(), b"", b"", m[:4], m[4:], bad, 4096)
+
+
+def test_every_engine_call_takes_buffers_of_one_size(saved, engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The C side's segment buffers are of the one size the Python path's O_DIRECT segments take
+    (``segment_bytes`` + 3 pages), whatever the largest segment of a call: a size class per call meant
+    fresh buffers for most calls of a process's first load, faulted in while the device waited."""
+    import ucl.io.buffers
+
+    monkeypatch.setattr(ucl.io.buffers, "_SHARED", None)  # a fresh pool: what this read leaves in it
+    repo, st = saved
+    seg = 1 << 20
+    opts = replace(COLD, segment_bytes=seg, keep_buffer_bytes=1 << 30)
+    sizes: list[int] = []
+    orig = ucl.io.buffers.BufferPool.get
+
+    def get(self: Any, n: int) -> Any:
+        b = orig(self, n)
+        sizes.append(b.nbytes)
+        return b
+
+    monkeypatch.setattr(ucl.io.buffers.BufferPool, "get", get)
+    with ucl.open(repo, options=opts) as ck:
+        out = {n: torch.empty_like(t) for n, t in st.items()}
+        ck.load_into(out)
+    assert engine["delivered"] > 1
+    for n, t in st.items():
+        assert torch.equal(out[n], t), n
+    big = {c for c in sizes if c >= seg}
+    assert big == {ucl.io.buffers.BufferPool.capacity(seg + 3 * ucl.io.ranges.ALIGN)}, sorted(big)
