@@ -52,8 +52,8 @@ def engine(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     seen = {"delivered": 0, "back": 0}
     orig = bulk.read
 
-    def spy(files: Any, items: Any, threads: int) -> Any:
-        rest = orig(files, items, threads)
+    def spy(files: Any, items: Any, threads: int, calls: Any = None) -> Any:
+        rest = orig(files, items, threads, calls)
         seen["delivered"] += len(items) - len(rest)
         seen["back"] += len(rest)
         return rest
@@ -180,3 +180,44 @@ def test_every_engine_call_takes_buffers_of_one_size(saved, engine, monkeypatch)
         assert torch.equal(out[n], t), n
     big = {c for c in sizes if c >= seg}
     assert big == {ucl.io.buffers.BufferPool.capacity(seg + 3 * ucl.io.ranges.ALIGN)}, sorted(big)
+
+
+
+def test_a_batch_opens_its_files_before_it_waits_for_the_engine(saved, engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The lock that keeps one engine call at a time is held around the call only: a batch's files are
+    opened and its tables built while the previous batch is still being read (the device waited through
+    that Python work between calls)."""
+    import ucl.read.boxes as boxes
+
+    repo, st = saved
+    events: list[str] = []
+    orig_open, orig_native = bulk._open, boxes._execute_native
+
+    class Recording:
+        def __init__(self, lock: Any) -> None:
+            self.lock = lock
+
+        def __enter__(self) -> None:
+            self.lock.acquire()
+            events.append("enter")
+
+        def __exit__(self, *exc: object) -> None:
+            events.append("exit")
+            self.lock.release()
+
+    def opened(files: Any, key: str) -> Any:
+        events.append("open")
+        return orig_open(files, key)
+
+    monkeypatch.setattr(bulk, "_open", opened)
+    monkeypatch.setattr(boxes, "_execute_native", lambda f, i, t, calls: orig_native(f, i, t, Recording(calls)))
+    with ucl.open(repo, options=replace(COLD, threads=1, segment_bytes=256 << 10)) as ck:  # one batch at a time
+        out = {n: torch.empty_like(t) for n, t in st.items()}
+        ck.load_into(out)
+    assert engine["delivered"] > 0
+    for n, t in st.items():
+        assert torch.equal(out[n], t), n
+    assert events.count("enter") >= 2 and "open" in events, events
+    for i, e in enumerate(events):  # no file opened while a call held the lock
+        if e == "enter":
+            assert events[i + 1] == "exit", events

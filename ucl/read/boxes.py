@@ -194,8 +194,7 @@ def _from_lease(files: StepFiles, group: list[ChunkRead], lease: Lease, want: in
 def _execute_native(files: StepFiles, items: list[bulk.Item], threads: int, calls: threading.Lock) -> None:
     """Segments of a bulk read through the C side (:mod:`ucl.read.bulk`); those it did not deliver read
     again here the Python way, which raises what it finds (:class:`_Mispredicted` for a guessed shard)."""
-    with calls:
-        rest = bulk.read(files, items, threads)
+    rest = bulk.read(files, items, threads, calls)
     for g, tail, planned in rest:
         _execute(files, g, True, tail, planned)
 
