@@ -50,21 +50,15 @@ def engine(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     those it handed back."""
     monkeypatch.setattr(ucl.io.ranges, "mostly_cached", lambda *a: False)
     seen = {"delivered": 0, "back": 0}
-    init, run = bulk.Batch.__init__, bulk.Batch.run
+    orig = bulk.read
 
-    def made(self: bulk.Batch, files: Any, items: Any) -> None:
-        init(self, files, items)
-        seen["back"] += len(self.rest)  # not opened: the Python path
+    def spy(files: Any, items: Any, threads: int, calls: Any = None) -> Any:
+        rest = orig(files, items, threads, calls)
+        seen["delivered"] += len(items) - len(rest)
+        seen["back"] += len(rest)
+        return rest
 
-    def ran(self: bulk.Batch, threads: int) -> Any:
-        n = len(self.todo)
-        failed = run(self, threads)
-        seen["delivered"] += n - len(failed)
-        seen["back"] += len(failed)
-        return failed
-
-    monkeypatch.setattr(bulk.Batch, "__init__", made)
-    monkeypatch.setattr(bulk.Batch, "run", ran)
+    monkeypatch.setattr(bulk, "read", spy)
     return seen
 
 
@@ -189,35 +183,41 @@ def test_every_engine_call_takes_buffers_of_one_size(saved, engine, monkeypatch)
 
 
 
-
-def test_engine_calls_run_on_one_thread_their_files_opened_before(saved, engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """A bulk read's batches go to the C side on one engine thread of their own, one call after another,
-    each batch's files opened and tables built by the planning thread beforehand: the calls waited
-    behind the read pool's small reads, and the device through each batch's Python work (1-20 ms)."""
-    import threading
+def test_a_batch_opens_its_files_before_it_waits_for_the_engine(saved, engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The lock that keeps one engine call at a time is held around the call only: a batch's files are
+    opened and its tables built while the previous batch is still being read (the device waited through
+    that Python work between calls)."""
+    import ucl.read.boxes as boxes
 
     repo, st = saved
-    events: list[tuple[str, str]] = []
-    init, run = bulk.Batch.__init__, bulk.Batch.run
+    events: list[str] = []
+    orig_open, orig_native = bulk._open, boxes._execute_native
 
-    def made(self: bulk.Batch, files: Any, items: Any) -> None:
-        events.append(("made", threading.current_thread().name))
-        init(self, files, items)
+    class Recording:
+        def __init__(self, lock: Any) -> None:
+            self.lock = lock
 
-    def ran(self: bulk.Batch, threads: int) -> Any:
-        assert not any(fd is None for fd in self.fds.values()) and self.fds  # opened before the call
-        events.append(("run", threading.current_thread().name))
-        return run(self, threads)
+        def __enter__(self) -> None:
+            self.lock.acquire()
+            events.append("enter")
 
-    monkeypatch.setattr(bulk.Batch, "__init__", made)
-    monkeypatch.setattr(bulk.Batch, "run", ran)
-    with ucl.open(repo, options=replace(COLD, segment_bytes=256 << 10)) as ck:
+        def __exit__(self, *exc: object) -> None:
+            events.append("exit")
+            self.lock.release()
+
+    def opened(files: Any, key: str) -> Any:
+        events.append("open")
+        return orig_open(files, key)
+
+    monkeypatch.setattr(bulk, "_open", opened)
+    monkeypatch.setattr(boxes, "_execute_native", lambda f, i, t, calls: orig_native(f, i, t, Recording(calls)))
+    with ucl.open(repo, options=replace(COLD, threads=1, segment_bytes=256 << 10)) as ck:  # one batch at a time
         out = {n: torch.empty_like(t) for n, t in st.items()}
         ck.load_into(out)
+    assert engine["delivered"] > 0
     for n, t in st.items():
         assert torch.equal(out[n], t), n
-    made_on = {t for e, t in events if e == "made"}
-    run_on = {t for e, t in events if e == "run"}
-    assert made_on == {threading.main_thread().name}, events
-    assert len(run_on) == 1 and next(iter(run_on)).startswith("ucl-engine"), events
-    assert sum(e == "run" for e, _ in events) >= 2, events
+    assert events.count("enter") >= 2 and "open" in events, events
+    for i, e in enumerate(events):  # no file opened while a call held the lock
+        if e == "enter":
+            assert events[i + 1] == "exit", events

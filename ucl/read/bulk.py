@@ -18,8 +18,10 @@ the guessed-index fallback stay in one place.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -72,89 +74,61 @@ def _open(files: StepFiles, key: str) -> int | None:
     return fd
 
 
-class Batch:
-    """One engine call's segments (all :func:`eligible`): made on the planning thread, which opens the
-    files and builds the C tables, so that the engine thread (:meth:`run`) goes from one call to the next
-    without Python work between them; the device waited 1-20 ms a call for that work. ``rest``: the
-    segments whose file the C side cannot read (not opened: the Python path reads them, or names why not).
-    """
-
-    def __init__(self, files: StepFiles, items: Sequence[Item]) -> None:
-        self.files = files
-        self.fds: dict[str, int | None] = {}
-        self.todo: list[Item] = []
-        self.rest: list[Item] = []
-        try:
-            for it in items:
-                key = it[0][0].key
-                if key not in self.fds:
-                    self.fds[key] = _open(files, key)
-                (self.todo if self.fds[key] is not None else self.rest).append(it)
-            self._tables()
-        except BaseException:
-            self.close()
-            raise
-
-    def _tables(self) -> None:
-        todo = self.todo
-        self.segs = segs = np.zeros(len(todo), _SEG)
+def read(files: StepFiles, items: Sequence[Item], threads: int,
+         calls: threading.Lock | None = None) -> list[Item]:
+    """Read, check and deliver ``items`` (all :func:`eligible`) on ``threads`` C threads; the items left to
+    the Python path (not opened here, or not delivered: the C side's verdict was not ok). ``calls``: held
+    around the engine call only (one call at a time, each on its own buffers), so that the next batch's
+    files are opened and its tables built while the previous call reads (~1-9 ms of Python per call
+    that the device otherwise waited through)."""
+    fds: dict[str, int | None] = {}
+    todo: list[Item] = []
+    rest: list[Item] = []
+    try:
+        for it in items:
+            key = it[0][0].key
+            if key not in fds:
+                fds[key] = _open(files, key)
+            (todo if fds[key] is not None else rest).append(it)
+        if not todo:
+            return rest
+        segs = np.zeros(len(todo), _SEG)
         chunks = np.zeros(sum(len(g) for g, _, _ in todo), _CHUNK)
-        self.tails = b"".join(t or b"" for _, t, _ in todo)
+        tails = b"".join(t or b"" for _, t, _ in todo)
         k = at = 0
         span = 0
         for i, (g, tail, _) in enumerate(todo):
             c0 = g[0]
             length = g[-1].offset + g[-1].nbytes - c0.offset
-            segs[i] = (self.fds[c0.key], c0.offset, length, at, len(tail or b""), k, len(g))
+            segs[i] = (fds[c0.key], c0.offset, length, at, len(tail or b""), k, len(g))
             at += len(tail or b"")
             base = c0.offset - c0.offset % ALIGN
             span = max(span, -(-(c0.offset + length + len(tail or b"") - base) // ALIGN) * ALIGN)
             for c in g:
                 chunks[k] = (c.offset - c0.offset, c.nbytes, np.frombuffer(c.direct, np.uint8).ctypes.data)  # type: ignore[arg-type]
                 k += 1
-        self.span, self.nchunks = span, len(chunks)
-        self.seg_table, self.chunk_table = segs.tobytes(), chunks.tobytes()
-
-    def run(self, threads: int) -> list[Item]:
-        """Read, check and deliver the segments on ``threads`` C threads; those not delivered (the C side's
-        verdict was not ok: the caller reads them again the Python way). Closes the files."""
-        try:
-            todo = self.todo
-            if not todo:
-                return []
-            out = bytearray(4 * (len(todo) + self.nchunks))  # status (per segment), crc32c (per chunk)
-            _call(self.files, self.seg_table, self.chunk_table, self.tails, memoryview(out), len(todo), threads,
-                  self.span)
-            status = np.frombuffer(out, np.int32, len(todo))
-            crcs = np.frombuffer(out, np.uint32, offset=4 * len(todo))
-            failed: list[Item] = []
-            k = 0
-            for i, it in enumerate(todo):
-                g, tail, _ = it
-                if status[i] == _engine.READ_OK:
-                    for j, c in enumerate(g):
-                        c.crc[:] = _CRC.pack(int(crcs[k + j]))
-                    self.files.count(int(self.segs[i]["length"]) + len(tail or b""))
-                else:
-                    failed.append(it)
-                k += len(g)
-            return failed
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        """Close the files (again: nothing)."""
-        fds, self.fds = self.fds, {}
+        out = bytearray(4 * (len(todo) + len(chunks)))  # status (per segment), crc32c (per chunk)
+        m = memoryview(out)
+        seg_table, chunk_table = segs.tobytes(), chunks.tobytes()
+        with calls if calls is not None else contextlib.nullcontext():
+            _call(files, seg_table, chunk_table, tails, m, len(todo), threads, span)
+        status = np.frombuffer(out, np.int32, len(todo))
+        crcs = np.frombuffer(out, np.uint32, offset=4 * len(todo))
+        k = 0
+        for i, it in enumerate(todo):
+            g, tail, _ = it
+            if status[i] == _engine.READ_OK:
+                for j, c in enumerate(g):
+                    c.crc[:] = _CRC.pack(int(crcs[k + j]))
+                files.count(int(segs[i]["length"]) + len(tail or b""))
+            else:
+                rest.append(it)
+            k += len(g)
+        return rest
+    finally:
         for fd in fds.values():
             if fd is not None:
                 os.close(fd)
-
-
-def read(files: StepFiles, items: Sequence[Item], threads: int) -> list[Item]:
-    """Read, check and deliver ``items`` (all :func:`eligible`) on ``threads`` C threads, in one call; the
-    items left to the Python path (not opened, or not delivered)."""
-    batch = Batch(files, items)
-    return batch.rest + batch.run(threads)
 
 
 def _call(files: StepFiles, segs: bytes, chunks: bytes, tails: bytes, out: memoryview, nseg: int, threads: int,
