@@ -182,7 +182,6 @@ def test_every_engine_call_takes_buffers_of_one_size(saved, engine, monkeypatch)
     assert big == {ucl.io.buffers.BufferPool.capacity(seg + 3 * ucl.io.ranges.ALIGN)}, sorted(big)
 
 
-
 def test_a_batch_opens_its_files_before_it_waits_for_the_engine(saved, engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The lock that keeps one engine call at a time is held around the call only: a batch's files are
     opened and its tables built while the previous batch is still being read (the device waited through
