@@ -6,8 +6,10 @@ names it."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import resource
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ import ucl.io.ranges
 import ucl.read.bulk as bulk
 from ucl import _engine
 from ucl.errors import ChecksumError, ShardSizeError
+from ucl.io import fds
 from ucl.options import ReadOptions, WriteOptions
 
 COLD = ReadOptions(direct_min_bytes=1)
@@ -209,7 +212,12 @@ def test_a_batch_opens_its_files_before_it_waits_for_the_engine(saved, engine, m
         return orig_open(files, key)
 
     monkeypatch.setattr(bulk, "_open", opened)
-    monkeypatch.setattr(boxes, "_execute_native", lambda f, i, t, calls: orig_native(f, i, t, Recording(calls)))
+    def native(files: Any, items: Any, threads: int, gate: Any) -> None:
+        if not isinstance(gate.calls, Recording):
+            gate.calls = Recording(gate.calls)
+        orig_native(files, items, threads, gate)
+
+    monkeypatch.setattr(boxes, "_execute_native", native)
     with ucl.open(repo, options=replace(COLD, threads=1, segment_bytes=256 << 10)) as ck:  # one batch at a time
         out = {n: torch.empty_like(t) for n, t in st.items()}
         ck.load_into(out)
@@ -220,3 +228,50 @@ def test_a_batch_opens_its_files_before_it_waits_for_the_engine(saved, engine, m
     for i, e in enumerate(events):  # no file opened while a call held the lock
         if e == "enter":
             assert events[i + 1] == "exit", events
+
+
+@pytest.fixture()
+def few_files() -> Any:
+    """Lowers this process's limit of open files (soft RLIMIT_NOFILE) to what it holds now plus ``n``."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+
+    def lower(n: int) -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (fds.in_use() + n, hard))
+
+    yield lower
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_bulk_read_holds_no_more_files_than_the_process_may_open(tmp_path, engine, few_files) -> None:  # type: ignore[no-untyped-def]
+    """1,200 small tensors, a file each, 150 files from the limit: every segment still through the C engine,
+    bit-exact. The C side holds a call's files open until it ends and batches waiting for their call hold
+    theirs; unbounded, a load of 3,000 such tensors under a limit of 1,024 failed with EMFILE."""
+    st = {f"t{i}": torch.arange(2100, dtype=torch.float32) + i for i in range(1200)}  # 10 MB: a threaded read
+    ucl.save(st, tmp_path / "r", step=0)
+    with ucl.open(tmp_path / "r", options=COLD) as ck:
+        few_files(150)
+        out = {n: torch.empty_like(t) for n, t in st.items()}
+        ck.load_into(out)
+    assert engine["delivered"] == 1200 and engine["back"] == 0
+    for n, t in st.items():
+        assert torch.equal(out[n], t), n
+
+
+def test_a_read_at_the_limit_of_open_files_says_so(saved, engine, few_files) -> None:  # type: ignore[no-untyped-def]
+    repo, st = saved
+    with ucl.open(repo, options=COLD) as ck:
+        held = []
+        few_files(3)
+        try:
+            while True:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            pass
+        try:
+            with pytest.raises(OSError, match=r"too many open files: cannot open .*steps/0/.*: this process already "
+                                              r"holds its limit of \d+ open files \(RLIMIT_NOFILE\)") as e:
+                ck.load_into({n: torch.empty_like(t) for n, t in st.items()})
+            assert e.value.errno == errno.EMFILE
+        finally:
+            for fd in held:
+                os.close(fd)

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ucl.errors import NotAFileError
+from ucl.io import fds
 from ucl.io.buffers import BufferPool, shared_pool
 from ucl.io.pagecache import mostly_cached
 
@@ -59,13 +60,16 @@ def open_regular(path: str, flags: int = os.O_RDONLY, name: str | None = None) -
     opened descriptor (no window between check and open); O_NONBLOCK is cleared again before the caller
     reads. Anything else (FIFO, device, socket, directory) raises :class:`NotAFileError` naming ``name``
     (the key; default the path). A symlink loop raises it too. A missing file raises FileNotFoundError /
-    NotADirectoryError as os.open does, other errors (EINVAL: no O_DIRECT here) as OSError.
+    NotADirectoryError as os.open does, too many open files an OSError that says so (:func:`fds.too_many`),
+    other errors (EINVAL: no O_DIRECT here) as OSError.
     """
     try:
         fd = os.open(path, flags | _OPEN_FLAGS)
     except OSError as e:
         if e.errno in _ABSENT:
             raise
+        if e.errno in (errno.EMFILE, errno.ENFILE):
+            raise fds.too_many(e, path) from None
         # a device that cannot be opened (ENXIO, ENODEV, EPERM), O_DIRECT on a FIFO (EINVAL), a socket, a loop
         try:
             st = os.stat(path)

@@ -40,6 +40,7 @@ import numpy as np
 from ucl.errors import ChecksumError, ShardSizeError
 from ucl.format.metadata import ArrayMeta
 from ucl.format.shardfile import check_chunk, chunk_checksum_error, index_nbytes
+from ucl.io import fds
 from ucl.io import native as _native
 from ucl.io.prefault import Prefaulter
 from ucl.io.ranges import Lease
@@ -191,10 +192,10 @@ def _from_lease(files: StepFiles, group: list[ChunkRead], lease: Lease, want: in
         lease.release()
 
 
-def _execute_native(files: StepFiles, items: list[bulk.Item], threads: int, calls: threading.Lock) -> None:
+def _execute_native(files: StepFiles, items: list[bulk.Item], threads: int, gate: bulk.Gate) -> None:
     """Segments of a bulk read through the C side (:mod:`ucl.read.bulk`); those it did not deliver read
     again here the Python way, which raises what it finds (:class:`_Mispredicted` for a guessed shard)."""
-    rest = bulk.read(files, items, threads, calls)
+    rest = bulk.read(files, items, threads, gate)
     for g, tail, planned in rest:
         _execute(files, g, True, tail, planned)
 
@@ -322,8 +323,10 @@ def _read(files: StepFiles, requests: list[Request], pool: Executor | None, opti
     handoff = (Handoff(checks, options.threads + options.check_threads)
                if checks is not None and pool is not None and direct else None)
     # batches through the C engine one at a time, each on ``threads`` threads with a segment buffer each:
-    # as many buffers as the read threads have (two at once measured the same: 1.04 against 1.05 s)
-    engine_calls = threading.Lock()
+    # as many buffers as the read threads have (two at once measured the same: 1.04 against 1.05 s); the
+    # files they hold open at once within what the process may still open, less what the Python path's
+    # threads hold (one each) and a margin for the rest of the process
+    gate = bulk.Gate(fds.headroom() - options.threads - options.check_threads - options.index_threads - 32)
     try:
         digests: list[WholeShard] = []
         unread: set[str] = set()  # guessed shards whose index no segment reads (none, as planned: checked below)
@@ -357,7 +360,7 @@ def _read(files: StepFiles, requests: list[Request], pool: Executor | None, opti
                     break
             if native:
                 assert pool is not None
-                dfut.append(pool.submit(_execute_native, files, native, options.threads, engine_calls))
+                dfut.append(pool.submit(_execute_native, files, native, options.threads, gate))
             if again:
                 break
         if dfut:
