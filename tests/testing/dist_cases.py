@@ -41,3 +41,14 @@ def surroundings(rank: int, world: int) -> Any:
     import torch
 
     return [os.environ.get("UCL_DIST_PROBE"), os.getcwd(), torch.get_num_threads(), os.environ["RANK"]]
+
+
+def killed(rank: int, world: int, raise_on: int = -1) -> Any:
+    """Every rank kills its own process once all have met (a crash), except ``raise_on``, which raises."""
+    import os
+    import signal
+
+    dist.barrier()
+    if rank == raise_on:
+        raise ValueError(f"rank {rank} raised instead")
+    os.kill(os.getpid(), signal.SIGKILL)

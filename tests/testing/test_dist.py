@@ -45,3 +45,17 @@ def test_a_rank_sees_its_callers_environment_and_directory_not_the_zygotes(tmp_p
         monkeypatch.chdir(here)
         got = dist.run(2, f"{CASES}:surroundings", {}, timeout=120)
         assert got == [[value, str(here), 1, "0"], [value, str(here), 1, "1"]]
+
+
+def test_a_crash_is_every_rank_killed() -> None:
+    assert dist.run(3, f"{CASES}:killed", {}, timeout=120, expect_killed=True) == [None] * 3
+
+
+def test_a_crash_where_a_rank_failed_otherwise_names_it() -> None:
+    """A test of a crash must not take a rank that failed before it was killed (a rendezvous that never
+    formed, an error) for the crash it meant to make: that rank's end and its stderr are reported."""
+    with pytest.raises(RuntimeError) as err:
+        dist.run(3, f"{CASES}:killed", {"raise_on": 1}, timeout=120, expect_killed=True, grace=2.0)
+    msg = str(err.value)
+    assert "rank(s) [1] ended otherwise than killed by SIGKILL" in msg
+    assert "--- rank 1 exited 1" in msg and "rank 1 raised instead" in msg

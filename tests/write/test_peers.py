@@ -43,7 +43,7 @@ def test_two_nodes_kill_node_loss_and_damage(tmp_path: Path) -> None:
     disk, mem = tmp_path / "disk", tmp_path / "mem"
     kw = {"disk": str(disk), "mem": str(mem / "node{node}"), "rpn": 2, "tp": 2, "dp": 2}
     # the whole job killed (SIGKILL) once steps 0..3 committed: drained steps 0, 2; parts hold 2, 3
-    out = dist.run(4, SAVE, dict(kw, steps=4, kill=True), expect_fail=True)
+    out = dist.run(4, SAVE, dict(kw, steps=4, kill=True), expect_killed=True)
     assert out == [None] * 4
     assert ucl.validate(disk).ok and ucl.Repository.open(disk).steps() == [0, 2]
     for n in (0, 1):
@@ -82,7 +82,7 @@ def test_three_nodes_one_lost_then_two(tmp_path: Path) -> None:
     disk, mem = tmp_path / "disk", tmp_path / "mem"
     arc = tmp_path / "archive"
     kw = {"disk": str(disk), "mem": str(mem / "n{node}"), "rpn": 1, "tp": 1, "dp": 3, "archive": str(arc)}
-    dist.run(3, SAVE, dict(kw, steps=4, kill=True), expect_fail=True)
+    dist.run(3, SAVE, dict(kw, steps=4, kill=True), expect_killed=True)
     shutil.rmtree(mem / "n1")  # node 1's files survive on node 2
     got = dist.run(3, RESTORE, kw)
     assert [(r["step"], r["tier"], r["exact"]) for r in got] == [(3, "peer", True)] * 3

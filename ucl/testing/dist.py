@@ -17,7 +17,7 @@ import importlib
 import json
 import multiprocessing
 import os
-import socket
+import signal
 import sys
 import tempfile
 import time
@@ -55,23 +55,23 @@ class _Rank:
         self.proc.join()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run(world: int, target: str, kwargs: dict[str, Any], timeout: float = 240.0,
-        expect_fail: bool = False, grace: float = 30.0) -> list[Any]:
-    """Each rank's result, by rank (None for a rank that failed, with ``expect_fail``).
+        expect_killed: bool = False, grace: float = 30.0) -> list[Any]:
+    """Each rank's result, by rank; with ``expect_killed`` every rank must end by SIGKILL (a target that
+    kills its own process: a crash), and the result is None for each.
 
-    Each rank's output goes to a file (never a pipe: a rank filling a pipe nobody reads would block in
-    a collective and hang the others). When a rank fails, the others get ``grace`` seconds to finish
+    The rendezvous store is served by this process, on a port it bound (a port found free and bound
+    later by rank 0 could be taken in between, by another test's ranks: a run failed before its target
+    ran). Each rank's output goes to a file (never a pipe: a rank filling a pipe nobody reads would block
+    in a collective and hang the others). When a rank fails, the others get ``grace`` seconds to finish
     (they may be waiting for it in a collective), then are killed. A rank still running at ``timeout``
     has printed every thread's stack (faulthandler, a few seconds earlier); every rank's stderr is in
-    the error raised.
+    the error raised, and so is the end of each rank that did not end as expected.
     """
-    port = free_port()
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    port = store.port
     procs: list[_Rank] = []
     with tempfile.TemporaryDirectory(prefix="ucl-dist-") as logs:
         outs = [open(os.path.join(logs, f"{r}.out"), "w+b") for r in range(world)]  # noqa: SIM115
@@ -82,7 +82,7 @@ def run(world: int, target: str, kwargs: dict[str, Any], timeout: float = 240.0,
                            MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                            UCL_DIST_STACKS_AFTER=str(max(1.0, timeout - 5.0)))
                 procs.append(_Rank(env, outs[rank].name, errs[rank].name, target, json.dumps(kwargs)))
-            hung = _wait(procs, time.monotonic() + timeout, None if expect_fail else grace)
+            hung = _wait(procs, time.monotonic() + timeout, grace)
 
             def tail(rank: int) -> str:
                 errs[rank].seek(0)
@@ -92,16 +92,22 @@ def run(world: int, target: str, kwargs: dict[str, Any], timeout: float = 240.0,
                 state = {r: "running" if r in hung else f"exited {procs[r].returncode}" for r in range(world)}
                 report = "\n".join(f"--- rank {r} ({state[r]})\n{tail(r)}" for r in range(world))
                 raise TimeoutError(f"rank(s) {hung} of {target} did not finish in {timeout} s:\n{report}")
+            if expect_killed:
+                other = [r for r, p in enumerate(procs) if p.returncode != -signal.SIGKILL]
+                if other:
+                    raise RuntimeError(f"{target}: rank(s) {other} ended otherwise than killed by SIGKILL:\n"
+                                       + "\n".join(f"--- rank {r} exited {procs[r].returncode}\n{tail(r)}"
+                                                    for r in other))
+                return [None] * world
             results: list[Any] = []
             errors = []
             for rank, p in enumerate(procs):
                 if p.returncode != 0:
                     errors.append(f"--- rank {rank} exited {p.returncode}\n{tail(rank)}")
-                    results.append(None)
                 else:
                     outs[rank].seek(0)
                     results.append(json.loads(outs[rank].read().decode().strip().splitlines()[-1]))
-            if errors and not expect_fail:
+            if errors:
                 raise RuntimeError(f"{target} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
             return results
         finally:
@@ -111,6 +117,7 @@ def run(world: int, target: str, kwargs: dict[str, Any], timeout: float = 240.0,
                 p.wait()
             for f in outs + errs:
                 f.close()
+            del store  # the rendezvous served until every rank has ended
 
 
 def _wait(procs: list[_Rank], deadline: float, grace: float | None) -> list[int]:
@@ -159,7 +166,8 @@ def _main(target: str, kwargs: dict[str, Any]) -> None:
     faulthandler.dump_traceback_later(float(os.environ.get("UCL_DIST_STACKS_AFTER", "235")), exit=False)
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     mod, fn = target.split(":")
     sys.path.insert(0, os.getcwd())
     result = getattr(importlib.import_module(mod), fn)(rank, world, **kwargs)
