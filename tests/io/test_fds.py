@@ -12,6 +12,7 @@ from ucl.io import fds
 def test_a_batch_waits_until_all_it_asks_for_is_free() -> None:
     b = fds.Budget(4)
     order: list[str] = []
+
     def second() -> None:
         with b.hold(2):
             order.append("second")

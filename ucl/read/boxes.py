@@ -325,8 +325,9 @@ def _read(files: StepFiles, requests: list[Request], pool: Executor | None, opti
     # batches through the C engine one at a time, each on ``threads`` threads with a segment buffer each:
     # as many buffers as the read threads have (two at once measured the same: 1.04 against 1.05 s); the
     # files they hold open at once within what the process may still open, less what the Python path's
-    # threads hold (one each) and a margin for the rest of the process
-    gate = bulk.Gate(fds.headroom() - options.threads - options.check_threads - options.index_threads - 32)
+    # threads hold (one each) and a margin for the rest of the process. Made by the first batch that
+    # needs it: counting the open files takes ~1 ms in a process holding 2,000, on every lazy read else
+    gate: bulk.Gate | None = None
     try:
         digests: list[WholeShard] = []
         unread: set[str] = set()  # guessed shards whose index no segment reads (none, as planned: checked below)
@@ -360,6 +361,9 @@ def _read(files: StepFiles, requests: list[Request], pool: Executor | None, opti
                     break
             if native:
                 assert pool is not None
+                if gate is None:
+                    gate = bulk.Gate(fds.headroom() - options.threads - options.check_threads
+                                     - options.index_threads - 32)
                 dfut.append(pool.submit(_execute_native, files, native, options.threads, gate))
             if again:
                 break

@@ -22,7 +22,7 @@ import contextlib
 import os
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -93,24 +93,27 @@ def read(files: StepFiles, items: Sequence[Item], threads: int, gate: Gate | Non
     the items go in calls of at most ``gate.per_call`` files, whose files are opened and tables built
     before the call waits its turn (~1-9 ms of Python per call that the device otherwise waited through)."""
     if gate is None:
-        return _read(files, items, threads, None)
+        return _opened(files, items, threads, None)
     rest: list[Item] = []
+    for part, nfiles in _parts(items, gate.per_call):
+        with gate.files.hold(nfiles):
+            rest += _opened(files, part, threads, gate)
+    return rest
+
+
+def _parts(items: Sequence[Item], per_call: int) -> Iterator[tuple[list[Item], int]]:
+    """``items`` in order, in parts of at most ``per_call`` files; each with its number of files."""
     part: list[Item] = []
     keys: set[str] = set()
     for it in items:
         key = it[0][0].key
-        if key not in keys and len(keys) == gate.per_call:
-            rest += _read(files, part, threads, gate)
+        if key not in keys and len(keys) == per_call:
+            yield part, len(keys)
             part, keys = [], set()
         keys.add(key)
         part.append(it)
-    return rest + _read(files, part, threads, gate) if part else rest
-
-
-def _read(files: StepFiles, items: Sequence[Item], threads: int, gate: Gate | None) -> list[Item]:
-    """:func:`read` of items of at most ``gate.per_call`` files."""
-    with gate.files.hold(len({it[0][0].key for it in items})) if gate is not None else contextlib.nullcontext():
-        return _opened(files, items, threads, gate)
+    if part:
+        yield part, len(keys)
 
 
 def _opened(files: StepFiles, items: Sequence[Item], threads: int, gate: Gate | None) -> list[Item]:
