@@ -15,6 +15,7 @@ from ucl.format.shardfile import (
     INNER_CHUNK_BYTES,
     INNER_HI,
     INNER_LO,
+    PAGE,
     _leading_divisors,
     choose_chunks,
     choose_inner_chunk,
@@ -113,7 +114,10 @@ def test_real_sizes_get_1_to_8_mib(case: tuple) -> None:
     [
         ((32001, 4096), None, 4, (32004, 4096), (254, 4096)),  # LLaMA vocab + 1 = 3 x 10667: was 3 rows
         ((32001, 4096), None, 2, (32004, 4096), (508, 4096)),
-        ((50257, 768), None, 4, (50257, 768), (1733, 768)),  # GPT-2: 29 x 1733, 5.1 MiB, no padding
+        # GPT-2: 30 x 1676 rows, 4.9 MiB in whole pages, 23 rows of padding (29 x 1733 rows, unpadded, is not
+        # whole pages: a slice of it could not be mapped)
+        ((50257, 768), None, 4, (50280, 768), (1676, 768)),
+        ((50257, 1024), None, 4, (50257, 1024), (1733, 1024)),  # whole pages already: 29 x 1733, no padding
         ((50257,), None, 4, (50257,), (50257,)),  # 196 KiB: one inner chunk
         ((2**31 - 1,), None, 4, (2**31,), (1 << 20,)),  # a prime: 2048 chunks, one padded element
         ((4096, 4096), None, 4, (4096, 4096), (256, 4096)),  # round shapes: unchanged
@@ -130,11 +134,20 @@ def test_worked_examples(shape: tuple, block: tuple | None, itemsize: int, chunk
 @given(real_cases())
 def test_good_old_choices_are_kept(case: tuple) -> None:
     """Where the leading-dimension divisors already gave 1-8 MiB (or the whole block), the choice and the
-    grid are what ucl 1.1 wrote: nothing changes for round shapes, and a step's arrays stay the same."""
+    grid are what ucl 1.1 wrote, unless its inner chunks are not whole pages along a dimension the writer
+    holds whole: then the same split in whole pages (shardfile._in_pages), in range, padded by at most a
+    1/256 of the dimension. Nothing changes for round shapes."""
     shape, block, itemsize = case
     old = _leading_divisors(block, itemsize, INNER_CHUNK_BYTES)
     if old == block or MiB <= math.prod(old) * itemsize <= 8 * MiB:
-        assert choose_chunks(shape, block, itemsize) == (block, old)
+        chunk, inner = choose_chunks(shape, block, itemsize)
+        if (chunk, inner) == (block, old):
+            return
+        p = next(d for d in range(len(old)) if old[d] != block[d])
+        assert math.prod(old) * itemsize % PAGE and block[p] >= shape[p], (case, inner)
+        assert math.prod(inner) * itemsize % PAGE == 0 and MiB <= math.prod(inner) * itemsize <= 8 * MiB
+        assert inner[:p] == old[:p] and inner[p + 1 :] == old[p + 1 :] and chunk[p] % inner[p] == 0
+        assert shape[p] <= chunk[p] < shape[p] + inner[p] and (chunk[p] - shape[p]) * 256 <= shape[p]
 
 
 def test_a_fixed_block_is_never_rounded() -> None:

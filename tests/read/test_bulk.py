@@ -23,6 +23,7 @@ import ucl.io.ranges
 import ucl.read.bulk as bulk
 from ucl import _engine
 from ucl.errors import ChecksumError, ShardSizeError
+from ucl.format.shardfile import chunk_stride
 from ucl.io import fds
 from ucl.options import ReadOptions, WriteOptions
 
@@ -101,8 +102,9 @@ def test_a_damaged_chunk_is_named_as_the_python_path_names_it(saved, engine, whe
     p = _shard(repo, "w")
     data = bytearray(p.read_bytes())
     with ucl.open(repo) as ck:
-        chunk = ck.array("w").meta.inner_nbytes + 4  # each inner chunk followed by its crc32c
-    at = chunk * 2 + (1000 if where == "data" else chunk - 2)
+        meta = ck.array("w").meta
+    # each inner chunk followed by its crc32c, chunk_stride apart
+    at = chunk_stride(meta) * 2 + (1000 if where == "data" else meta.inner_nbytes + 2)
     data[at] ^= 0x20
     p.write_bytes(bytes(data))
     for how in ("load", "load_into"):

@@ -21,7 +21,7 @@ import ucl.io.ranges
 from ucl.errors import ChecksumError, ShardSizeError
 from ucl.format.metadata import CommitRecord
 from ucl.format.repository import commit_key
-from ucl.format.shardfile import canonical_index, file_digest, index_nbytes, parse_index
+from ucl.format.shardfile import canonical_index, chunk_stride, file_digest, index_nbytes, parse_index
 from ucl.io import native as _native
 from ucl.options import WriteOptions
 from ucl.read.files import StepFiles
@@ -66,7 +66,10 @@ def _relayout(repo: Path, name: str, order: list[int]) -> np.ndarray:
     chunks = [data[o : o + nb] for o, nb in old]
     index = np.full_like(old, np.iinfo(np.uint64).max)
     out = b""
+    stride = chunk_stride(meta)  # each chunk where ucl's layout starts one, padded alike
     for i in order:
+        if out and len(out) % stride:
+            out += bytes(stride - len(out) % stride)
         index[i] = (len(out), len(chunks[i]))
         out += chunks[i]
     body = index.astype("<u8").tobytes()

@@ -75,12 +75,50 @@ def choose_chunks(shape: tuple[int, ...], block: tuple[int, ...], itemsize: int,
     old = _leading_divisors(block, itemsize, target)
     lo, hi = max(1, int(target * INNER_LO)), int(target * INNER_HI)
     if old == block or lo <= math.prod(old) * itemsize <= hi:
-        return block, old
+        return _in_pages(block, ext, old, itemsize, target, lo, hi, free_) or (block, old)
     best = _search(block, ext, itemsize, target, lo, hi, free_)
     inner = best if best is not None else old
+    paged = _in_pages(block, ext, inner, itemsize, target, lo, hi, free_)
+    if paged is not None:
+        return paged
     chunk = tuple(-(-e // i) * i if d in free_ and b % i else b
                   for d, (e, b, i) in enumerate(zip(ext, block, inner, strict=True)))
     return chunk, inner
+
+
+def _in_pages(block: tuple[int, ...], ext: tuple[int, ...], inner: tuple[int, ...], itemsize: int, target: int,
+              lo: int, hi: int, free: set[int]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Family 1's choice ``inner`` in whole pages when it is not (several inner chunks of a number of bytes
+    that is not a multiple of :data:`PAGE`, split along one free dimension ``p``): ``inner[p]`` rounded to a
+    multiple of the rows that make whole pages, the grid chunk rounded up to a multiple of it, for the
+    least padding (under a 1/256 of the block) within the range; None to keep ``inner``. GPT-2's
+    ``[50257, 768]`` float32: 1733 rows (5,323,776 bytes) become 1676 (30 chunks of 5,148,672 bytes, 23
+    rows of padding), so that a row slice can be mapped instead of copied (:func:`aligned`)."""
+    nbytes = math.prod(inner) * itemsize
+    if nbytes % PAGE == 0 or inner == block:
+        return None
+    p = next(d for d in range(len(inner)) if inner[d] != block[d])
+    if p not in free or any(x != 1 for x in inner[:p]) or inner[p + 1 :] != block[p + 1 :]:
+        return None
+    rest = math.prod(block[p + 1 :]) * itemsize
+    step = PAGE // math.gcd(PAGE, rest)  # rows per whole number of pages
+    n = ext[p]
+    best: tuple[tuple[int, float], int] | None = None
+    m0 = max(1, round(n / inner[p]))
+    for m in range(max(1, m0 - 4), m0 + 5):
+        rows = -(-n // m)  # m equal pieces, then rounded up to whole pages
+        x = -(-rows // step) * step
+        if not lo <= x * rest <= hi or x >= n:
+            continue
+        pad = -(-n // x) * x - n
+        key = (pad, abs(math.log2(x * rest / target)))
+        if pad * 256 <= n and (best is None or key < best[0]):
+            best = (key, x)
+    if best is None:
+        return None
+    x = best[1]
+    chunk = (*block[:p], -(-n // x) * x, *block[p + 1 :])
+    return chunk, (*inner[:p], x, *inner[p + 1 :])
 
 
 #: inner chunks within [INNER_LO, INNER_HI] times the target are good (1-8 MiB for the default 4 MiB)
@@ -258,13 +296,42 @@ def chunk_bytes(meta: ArrayMeta, c: InnerChunk, block: torch.Tensor, raw: memory
     return as_bytes(padded)
 
 
+#: the page size a shard's inner chunks are aligned to (:func:`aligned`)
+PAGE = 4096
+_PAD = bytes(PAGE)
+
+
+def aligned(meta: ArrayMeta) -> bool:
+    """Whether ucl's writer starts each inner chunk of this array's shards at a multiple of :data:`PAGE`
+    (spec/core.md §6.1): uncompressed, not a delta, several inner chunks of whole pages. Then every
+    chunk's bytes are whole pages of the file at page offsets, so a reader can map a run of chunks into
+    one contiguous view of the array's elements (:mod:`ucl.read.mapped`) and a writer or reader can move
+    them with O_DIRECT straight from or to a page-aligned tensor; each costs a page of padding after its
+    crc32c (<= 0.4% of a chunk of 1 MiB or more)."""
+    return (meta.compression is None and meta.delta is None and meta.n_inner > 1
+            and meta.inner_nbytes % PAGE == 0)
+
+
+def chunk_stride(meta: ArrayMeta) -> int:
+    """Bytes from one stored inner chunk's start to the next one's in ucl's own layout."""
+    n = meta.inner_nbytes + 4
+    return -(-n // PAGE) * PAGE if aligned(meta) else n
+
+
 def assemble(meta: ArrayMeta, payloads: Iterable[tuple[int, Any]]) -> list[Any]:
     """The buffers of a shard file from its stored chunks (ordinal, encoded bytes), in file order: each
-    chunk followed by its crc32c, then the index (absent chunks: EMPTY) and the index's crc32c."""
+    chunk followed by its crc32c, then the index (absent chunks: EMPTY) and the index's crc32c. Data and
+    crc32c buffers alternate; for an :func:`aligned` array a crc32c buffer also holds the zeros that pad
+    its chunk to the next page when another chunk follows."""
     buffers: list[Any] = []
     index = np.full((meta.n_inner, 2), EMPTY, dtype="<u8")
     offset = 0
+    pad = aligned(meta)
     for ordinal, data in payloads:
+        if pad and offset % PAGE:
+            gap = PAGE - offset % PAGE
+            buffers[-1] = buffers[-1] + _PAD[:gap]
+            offset += gap
         n = memoryview(data).nbytes + 4
         buffers.append(data)
         buffers.append(_CRC.pack(_native.crc32c(data)))
@@ -278,20 +345,21 @@ def assemble(meta: ArrayMeta, payloads: Iterable[tuple[int, Any]]) -> list[Any]:
 
 def canonical_index(meta: ArrayMeta, shard: tuple[int, ...]) -> tuple[np.ndarray, int] | None:
     """The index and file size of a shard as :func:`encode_shard` lays it out (its present inner chunks
-    back to back from offset 0 in index order, each ``inner_nbytes + 4`` bytes), or None for a compressed
-    or delta array, whose chunks vary in size. A reader may read a shard by this index while it reads
-    the real one, and trusts those bytes only once the two are equal (spec/core.md §6.1 lets a writer
-    lay chunks out in any order, so another writer's shard may differ)."""
+    in index order from offset 0, each ``inner_nbytes + 4`` bytes, :func:`chunk_stride` apart), or None
+    for a compressed or delta array, whose chunks vary in size. A reader may read a shard by this index
+    while it reads the real one, and trusts those bytes only once the two are equal (spec/core.md §6.1
+    lets a writer lay chunks out in any order, so another writer's shard may differ)."""
     if meta.compression is not None or meta.delta is not None:
         return None
     size = meta.inner_nbytes + 4
+    stride = chunk_stride(meta)
     if all(c * cs + (g - 1) * i < n for c, cs, i, g, n in zip(shard, meta.chunk_shape, meta.inner_chunk_shape,
                                                                meta.inner_grid, meta.shape, strict=True)):
         # every inner chunk present (a shard inside the array: all but edge shards): no mask to build
         index = np.empty((meta.n_inner, 2), dtype="<u8")
-        index[:, 0] = np.arange(0, meta.n_inner * size, size, dtype=np.uint64)
+        index[:, 0] = np.arange(0, meta.n_inner * stride, stride, dtype=np.uint64)
         index[:, 1] = size
-        return index, meta.n_inner * size + index_nbytes(meta.n_inner)
+        return index, (meta.n_inner - 1) * stride + size + index_nbytes(meta.n_inner)
     # along each dimension: which inner chunks of this shard start inside the array (the others are
     # wholly outside it, absent); a chunk is present when it is along every dimension
     present: np.ndarray = np.ones((), dtype=bool)
@@ -301,9 +369,9 @@ def canonical_index(meta: ArrayMeta, shard: tuple[int, ...]) -> tuple[np.ndarray
     present = present.reshape(-1)
     index = np.full((meta.n_inner, 2), EMPTY, dtype="<u8")
     count = int(np.count_nonzero(present))
-    index[present, 0] = np.arange(count, dtype=np.uint64) * np.uint64(size)
+    index[present, 0] = np.arange(count, dtype=np.uint64) * np.uint64(stride)
     index[present, 1] = size
-    return index, count * size + index_nbytes(meta.n_inner)
+    return index, max(0, count - 1) * stride + (size if count else 0) + index_nbytes(meta.n_inner)
 
 
 def encode_shard(meta: ArrayMeta, shard: tuple[int, ...], block: torch.Tensor) -> list[Any]:
@@ -332,9 +400,9 @@ def shard_digest(buffers: list[Any]) -> int:
     A crc32c over the whole file would be useless here: every chunk and the index end in their own
     crc32c, and crc32c(x || crc32c(x)) is a constant, so it would depend on the chunk sizes only and
     could not tell two equal-sized shards apart. ``buffers`` is what encode_shard returns: data and crc
-    alternate, the index crc last.
+    alternate, the index crc last (a crc32c buffer's padding, :func:`assemble`, is not part of it).
     """
-    return _native.crc32c(b"".join(bytes(b) for b in buffers[1::2]))
+    return _native.crc32c(b"".join(bytes(b[:4]) for b in buffers[1::2]))
 
 
 def file_digest(data: bytes | memoryview, n_inner: int, *, verify: bool = False, where: str = "") -> int:
