@@ -4,6 +4,8 @@
 #include <Python.h>
 #include <errno.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include "crc32c.h"
 #include "reader.h"
 #include "writer.h"
@@ -256,6 +258,33 @@ static PyObject *py_fsync_dir(PyObject *self, PyObject *args) {
     return PyLong_FromLong(err);
 }
 
+/* map_file(buffer: writable, at: int, length: int, fd: int, offset: int) -> errno (0: done)
+   Maps [offset, offset + length) of fd copy-on-write over bytes [at, at + length) of buffer, which must
+   be a mapping of its own (an anonymous mmap object that keeps it: closing it unmaps all of it); the
+   bytes are then the file's page-cache pages, no copy. Page-aligned, checked here. */
+static PyObject *py_map_file(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    Py_ssize_t at, length;
+    int fd;
+    long long offset;
+    if (!PyArg_ParseTuple(args, "w*nniL", &view, &at, &length, &fd, &offset)) return NULL;
+    long page = sysconf(_SC_PAGESIZE);
+    char *addr = (char *)view.buf + at;
+    int err = 0;
+    if (at < 0 || length <= 0 || at + length > view.len || offset < 0 || (uintptr_t)addr % (uintptr_t)page ||
+        length % page || offset % page) {
+        err = EINVAL;
+    } else {
+        void *got;
+        Py_BEGIN_ALLOW_THREADS
+        got = mmap(addr, (size_t)length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, fd, (off_t)offset);
+        Py_END_ALLOW_THREADS
+        if (got == MAP_FAILED) err = errno;
+    }
+    PyBuffer_Release(&view);
+    return PyLong_FromLong(err);
+}
+
 /* inject_fault(kind: int, nth: int, errno: int) */
 static PyObject *py_inject_fault(PyObject *self, PyObject *args) {
     int kind, err;
@@ -386,6 +415,7 @@ static PyMethodDef methods[] = {
     {"crc32c", py_crc32c, METH_VARARGS, NULL},
     {"crc32c_hw", py_crc32c_hw, METH_NOARGS, NULL},
     {"fsync_dir", py_fsync_dir, METH_VARARGS, NULL},
+    {"map_file", py_map_file, METH_VARARGS, NULL},
     {"inject_fault", py_inject_fault, METH_VARARGS, NULL},
     {"device_write", py_device_write, METH_VARARGS, NULL},
     {"json_lint", py_json_lint, METH_VARARGS, NULL},

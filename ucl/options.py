@@ -82,6 +82,10 @@ class ReadOptions:
         A bulk read's cold segments whose chunks go whole to contiguous destinations are read, checked and
         copied by the C engine on ``threads`` threads (:mod:`ucl.read.bulk`); False: by the Python
         pipeline, as every other segment. The same bytes, checks and errors either way.
+    map_slices
+        A lazy read of whole rows (``ckpt[name][a:b]``, 1 MiB or more, inside one shard) whose pages are
+        cached returns the file's pages mapped copy-on-write instead of a copy, every chunk's crc32c
+        checked first (:mod:`ucl.read.mapped`); False: always a copy.
     chain
         Delta-chain reads.
     """
@@ -97,6 +101,7 @@ class ReadOptions:
     keep_buffer_bytes: int = 64 << 20
     prefault: bool = True
     native: bool = True
+    map_slices: bool = True
     chain: ChainOptions = field(default_factory=ChainOptions)
 
 

@@ -258,6 +258,14 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         raise _write_error(err, "syncing the directory", os.fspath(path), 0)
 
 
+def map_file(buffer: Buffer, at: int, length: int, fd: int, offset: int) -> int:
+    """Map ``length`` bytes of ``fd`` from ``offset`` copy-on-write over bytes ``[at, at + length)`` of
+    ``buffer``, an anonymous ``mmap.mmap`` that owns the address range (closing it unmaps the file's
+    pages too). Page-aligned offsets and length only. Returns 0, or the errno of a refusal (EINVAL:
+    not aligned or outside ``buffer``; ENODEV: a file system that cannot map)."""
+    return _engine.map_file(buffer, at, length, fd, offset)
+
+
 def crc32c(data: Buffer, value: int = 0) -> int:
     """The CRC-32C (Castagnoli) of ``data``, continuing from ``value`` (hardware when the CPU has it)."""
     if not 0 <= value < 1 << 32:

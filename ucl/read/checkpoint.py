@@ -46,6 +46,7 @@ from ucl.options import DEFAULT_READ, ReadOptions
 from ucl.plan.copies import BoxCopy
 from ucl.plan.layout_load import LogicalIndex
 from ucl.plan.save import spec_for_meta
+from ucl.read import mapped
 from ucl.read.boxes import read
 from ucl.read.chain import ChainReader
 from ucl.read.chunks import Request
@@ -287,6 +288,17 @@ class Checkpoint:
             if gone is not None:
                 gone.tensor = e.tensor
                 raise gone from e
+
+    def mapped_rows(self, meta: ArrayMeta, start: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor | None:
+        """A box of whole rows as mapped, checked page-cache pages (:mod:`ucl.read.mapped`), or None:
+        read it with :meth:`read_requests`."""
+        if not self.options.map_slices:
+            return None
+        try:
+            return mapped.rows(self._files, meta, start, shape)
+        except UCLError as e:
+            self._unless_removed(e)
+            raise
 
     def read_requests(self, requests: list[Request], *, direct: bool = False) -> None:
         """Fill each request's ``out`` (a box of a stored array) from the step: plain arrays through

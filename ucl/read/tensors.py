@@ -89,6 +89,10 @@ class LazyTensor:
         start, shape = tuple(start), tuple(shape)
         self._check_bounds(start, shape)
         self._ckpt.check_listed(self.meta, start, shape)
+        if out is None:
+            mapped = self._ckpt.mapped_rows(self.meta, start, shape)
+            if mapped is not None:
+                return mapped
         out = self._out(shape, out)
         self._ckpt.read_requests([Request(self.meta, start, shape, out)])
         return out
