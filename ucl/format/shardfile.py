@@ -301,15 +301,21 @@ PAGE = 4096
 _PAD = bytes(PAGE)
 
 
+#: inner chunks smaller than this stay back to back: their page of padding would be a large share of
+#: them, and a read of many small neighbours would no longer be one request (96 KiB chunks of a layout
+#: made for resharding: 2-3x slower reads, measured with bench/reshard.py)
+ALIGNED_MIN_BYTES = 1 << 20
+
+
 def aligned(meta: ArrayMeta) -> bool:
     """Whether ucl's writer starts each inner chunk of this array's shards at a multiple of :data:`PAGE`
-    (spec/core.md §6.1): uncompressed, not a delta, several inner chunks of whole pages. Then every
-    chunk's bytes are whole pages of the file at page offsets, so a reader can map a run of chunks into
-    one contiguous view of the array's elements (:mod:`ucl.read.mapped`) and a writer or reader can move
-    them with O_DIRECT straight from or to a page-aligned tensor; each costs a page of padding after its
-    crc32c (<= 0.4% of a chunk of 1 MiB or more)."""
+    (spec/core.md §6.1): uncompressed, not a delta, several inner chunks of whole pages, each of at least
+    :data:`ALIGNED_MIN_BYTES`. Then every chunk's bytes are whole pages of the file at page offsets, so a
+    reader can map a run of chunks into one contiguous view of the array's elements
+    (:mod:`ucl.read.mapped`) and a writer or reader can move them with O_DIRECT straight from or to a
+    page-aligned tensor; each costs a page of padding after its crc32c (<= 0.4% of the chunk)."""
     return (meta.compression is None and meta.delta is None and meta.n_inner > 1
-            and meta.inner_nbytes % PAGE == 0)
+            and meta.inner_nbytes % PAGE == 0 and meta.inner_nbytes >= ALIGNED_MIN_BYTES)
 
 
 def chunk_stride(meta: ArrayMeta) -> int:
