@@ -197,3 +197,10 @@ def test_a_block_split_for_resharding_keeps_its_pieces() -> None:
     whole = ArraySpec(name="wte", shape=(32001, 4096), dtype="float32", chunk_shape=(32001, 4096))
     chunk, inner = chunks_for(whole)
     assert 1 << 20 <= math.prod(inner) * 4 <= 8 << 20 and chunk[0] % inner[0] == 0 and chunk[0] >= 32001
+
+
+def test_chunks_too_small_to_align_are_not_padded_into_pages() -> None:
+    """At a 256 KiB target the GPT-2 embedding's chunks would stay under ALIGNED_MIN_BYTES, laid out back
+    to back whatever their size: no rows of padding are added to make them whole pages."""
+    assert choose_chunks((50257, 768), (50257, 768), 4, 256 << 10) == ((50257, 768), (29, 768))
+    assert choose_chunks((50257, 768), (50257, 768), 4) == ((50280, 768), (1676, 768))

@@ -88,10 +88,12 @@ def choose_chunks(shape: tuple[int, ...], block: tuple[int, ...], itemsize: int,
 
 def _in_pages(block: tuple[int, ...], ext: tuple[int, ...], inner: tuple[int, ...], itemsize: int, target: int,
               lo: int, hi: int, free: set[int]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """Family 1's choice ``inner`` in whole pages when it is not (several inner chunks of a number of bytes
-    that is not a multiple of :data:`PAGE`, split along one free dimension ``p``): ``inner[p]`` rounded to a
+    """The choice ``inner`` in whole pages when it is not (several inner chunks of a number of bytes that is
+    not a multiple of :data:`PAGE`, split along one free dimension ``p``): ``inner[p]`` rounded to a
     multiple of the rows that make whole pages, the grid chunk rounded up to a multiple of it, for the
-    least padding (under a 1/256 of the block) within the range; None to keep ``inner``. GPT-2's
+    least padding (at most 1/256 of the dimension) within the range and large enough to be laid out at
+    page offsets (:data:`ALIGNED_MIN_BYTES`: a smaller one would be padded for nothing); None to keep
+    ``inner``. GPT-2's
     ``[50257, 768]`` float32: 1733 rows (5,323,776 bytes) become 1676 (30 chunks of 5,148,672 bytes, 23
     rows of padding), so that a row slice can be mapped instead of copied (:func:`aligned`)."""
     nbytes = math.prod(inner) * itemsize
@@ -108,7 +110,7 @@ def _in_pages(block: tuple[int, ...], ext: tuple[int, ...], inner: tuple[int, ..
     for m in range(max(1, m0 - 4), m0 + 5):
         rows = -(-n // m)  # m equal pieces, then rounded up to whole pages
         x = -(-rows // step) * step
-        if not lo <= x * rest <= hi or x >= n:
+        if not max(lo, ALIGNED_MIN_BYTES) <= x * rest <= hi or x >= n:
             continue
         pad = -(-n // x) * x - n
         key = (pad, abs(math.log2(x * rest / target)))

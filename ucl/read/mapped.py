@@ -91,25 +91,21 @@ def rows(files: StepFiles, meta: ArrayMeta, start: tuple[int, ...], shape: tuple
             if err:
                 view.close()
                 return None  # (ENOMEM: too many mappings, ENODEV: a file system without mmap) copied
-        mv = memoryview(view)
         try:
-            for j, off in enumerate(offs):
-                stored = os.pread(fd, 4, off + n)
-                if len(stored) != 4:
-                    raise truncated(key, meta.name, None, off + n + 4, off + n)
-                if _native.crc32c(mv[j * n : (j + 1) * n]) != _CRC.unpack(stored)[0]:
-                    raise chunk_checksum_error(meta, key, (k0 + j,) + (0,) * (len(shape) - 1))
+            with memoryview(view) as mv:
+                for j, off in enumerate(offs):
+                    stored = os.pread(fd, 4, off + n)
+                    if len(stored) != 4:
+                        raise truncated(key, meta.name, None, off + n + 4, off + n)
+                    # (not check_chunk: a raised error's frame would keep the slice of mv exported)
+                    if _native.crc32c(mv[j * n : (j + 1) * n]) != _CRC.unpack(stored)[0]:
+                        raise chunk_checksum_error(meta, key, (k0 + j,) + (0,) * (len(shape) - 1))
         except BaseException:
-            mv.release()
             view.close()
             raise
-        mv.release()
         flat = torch.frombuffer(view, dtype=torch.uint8)  # its storage keeps the mapping alive
         files.count((k1 - k0) * (n + 4))
     finally:
         os.close(fd)
     lo = (a - origin - k0 * inner[0]) * row
-    out = flat[lo : lo + shape[0] * row]
-    if meta.dtype == "bool":
-        return out.view(torch.bool).reshape(shape)
-    return out.view(dtypes.to_torch(meta.dtype)).reshape(shape)
+    return flat[lo : lo + shape[0] * row].view(dtypes.to_torch(meta.dtype)).reshape(shape)
