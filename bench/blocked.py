@@ -18,7 +18,8 @@ Rows:
   built ``ucl/*.so``): the behaviour before preparing existed.
 
 Columns: the blocked time of saves 1-4 (saves 2 and 3 after the previous step committed; save 4 at once
-after save 3, while step 3 persists: it takes the other slot, and shares the CPU with the persister),
+after save 3, while step 3 persists: it takes the other slot, and the persister starts nothing new while
+it copies),
 saves against the warm memcpy (target <= 1.5x), save 1 against a copy of the state into a staging slot
 timed in the same process right after its saves (on a shared machine, the ratio that other work
 disturbs least), the staging bytes the background threads had not touched

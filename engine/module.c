@@ -197,6 +197,17 @@ static void release_done(PoolObject *self) {
         if (pj->nviews && ucl_job_done(self->pool, pj->job)) release_views(pj);
 }
 
+/* hold(on: bool): while held, the threads start nothing new (ucl_pool_hold) */
+static PyObject *pool_hold(PoolObject *self, PyObject *args) {
+    if (!started(self)) return NULL;
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    ucl_pool_hold(self->pool, on);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* close(timeout: float, < 0 forever) -> True once every thread is joined, False on timeout */
 static PyObject *pool_close(PoolObject *self, PyObject *args) {
     if (!started(self)) return NULL;
@@ -232,6 +243,7 @@ static PyMethodDef pool_methods[] = {
     {"wait", (PyCFunction)pool_wait, METH_VARARGS, NULL},
     {"jobs", (PyCFunction)pool_jobs, METH_NOARGS, NULL},
     {"close", (PyCFunction)pool_close, METH_VARARGS, NULL},
+    {"hold", (PyCFunction)pool_hold, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -49,6 +49,7 @@ struct ucl_pool {
     ucl_job *head, *tail;
     int closing, direct, nthreads, running, joined;
     int sync; /* fdatasync each file (0: the caller makes everything durable at once, e.g. syncfs) */
+    int held; /* ucl_pool_hold: no new open or segment is started while > 0 (those in flight go on) */
     size_t segment;
     pthread_t *threads;
 };
@@ -302,7 +303,7 @@ static void *worker(void *arg) {
         /* Nothing to hand out from a job being opened; nor from a buffered one with a segment in
            flight: ext4 serialises buffered writes to a file, and threads contending for its lock
            burnt several times the CPU for a fraction of the throughput (measured). */
-        ucl_job *j = p->head;
+        ucl_job *j = p->held && !p->closing ? NULL : p->head;
         while (j && (j->state == OPENING || (j->state == WRITING && !j->res.direct && j->inflight))) j = j->next;
         if (!j) {
             if (p->closing) break;
@@ -406,6 +407,13 @@ ucl_pool *ucl_pool_start(int nthreads, int direct, size_t segment, int sync) {
         return NULL;
     }
     return p;
+}
+
+void ucl_pool_hold(ucl_pool *p, int on) {
+    pthread_mutex_lock(&p->mu);
+    if (on) p->held++;
+    else if (p->held && !--p->held) pthread_cond_broadcast(&p->work);
+    pthread_mutex_unlock(&p->mu);
 }
 
 ucl_job *ucl_job_new(const char *path, size_t nspans) {

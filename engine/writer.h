@@ -35,6 +35,10 @@ ucl_span *ucl_job_spans(ucl_job *job);
 const char *ucl_job_path(const ucl_job *job);
 /* 0, or ESHUTDOWN once the pool is closing. The pool owns the job until it is done. */
 int ucl_pool_submit(ucl_pool *pool, ucl_job *job);
+/* on != 0: the threads start no new open or segment until a matching call with on == 0 (the holds
+   nest); what is in flight goes on, and closing ignores holds. For a caller that needs the CPU for a
+   moment (a save copying its state while the previous step is written). */
+void ucl_pool_hold(ucl_pool *pool, int on);
 /* Wait until the job is done (timeout < 0: forever). 0 and *res filled, or ETIMEDOUT. */
 int ucl_job_wait(ucl_pool *pool, ucl_job *job, double timeout, ucl_result *res);
 int ucl_job_done(ucl_pool *pool, ucl_job *job);

@@ -352,6 +352,36 @@ def test_close_with_pending_jobs(tmp_path: Path) -> None:
     w.close()  # twice is fine
 
 
+def test_a_held_pool_starts_nothing_until_released(tmp_path: Path) -> None:
+    # a save's copy while the previous step is written: the threads start no file and no segment
+    data = _data(3 * MiB)
+    with FileWriter(threads=2, segment_bytes=MiB) as w:
+        w.hold(True)
+        w.hold(True)  # holds nest
+        job = w.submit(tmp_path / "f.bin", [data])
+        with pytest.raises(TimeoutError):
+            w.wait(job, timeout=0.3)
+        assert not (tmp_path / "f.bin").exists()  # not even opened
+        w.hold(False)
+        with pytest.raises(TimeoutError):
+            w.wait(job, timeout=0.3)
+        w.hold(False)
+        _check(tmp_path / "f.bin", data, w.wait(job, timeout=30))
+
+
+def test_closing_a_held_pool_does_not_wait_for_the_release(tmp_path: Path) -> None:
+    w = FileWriter(threads=1)
+    w.hold(True)
+    job = w.submit(tmp_path / "f.bin", [b"x"])
+    t0 = time.perf_counter()
+    w.close()
+    assert time.perf_counter() - t0 < 10
+    with pytest.raises(WriteError) as e:
+        w.wait(job)
+    assert e.value.errno == errno.ECANCELED
+    w.hold(False)  # after close: nothing to release, no error
+
+
 def test_wait_timeout_then_wait_again(tmp_path: Path) -> None:
     path = tmp_path / "f"
     inject_fault("stall")  # every open hangs until injection is off

@@ -223,6 +223,13 @@ class FileWriter:
         if first is not None:
             raise first
 
+    def hold(self, on: bool) -> None:
+        """``True``: the threads start no new file or segment until a matching ``hold(False)`` (holds
+        nest; what is in flight goes on; :meth:`close` ignores holds). For a caller that needs the CPU
+        for a moment: a save's copy while the previous step is written (ucl.write.staging.CopyGate)."""
+        if not self._closed:
+            self._pool.hold(bool(on))
+
     def close(self, timeout: float | None = 30.0) -> None:
         """Stop the pool: cancel what has not started, let writes in flight end, join the threads.
 

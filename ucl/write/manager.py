@@ -307,7 +307,8 @@ class CheckpointManager:
                                 threads=options.staging_threads)
         self._stream_bytes = options.stream_bytes or None
         self._kinds = StepKinds(delta, self._staging, self._ctl, self.rank, self.world, options.inner_chunk_bytes)
-        self._shards = ShardWriter(self.repo, self.rank, writer_threads, direct, options.format_version)
+        self._shards = ShardWriter(self.repo, self.rank, writer_threads, direct, options.format_version,
+                                   gate=self._staging.gate)
         self._drain: Drain | None = None
         self._archiver: Drain | None = None
         if memory is None:

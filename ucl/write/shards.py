@@ -26,6 +26,7 @@ from ucl.plan import save as saveplan
 from ucl.write.commit import full_meta
 from ucl.write.job import Job
 from ucl.write.kinds import DeltaBase
+from ucl.write.staging import CopyGate
 from ucl.write.step import DocumentCache, FileEntry, StepWriter
 
 #: The phases :meth:`ShardWriter.write` times (seconds, in ``Job.phases``).
@@ -47,8 +48,9 @@ class ShardWriter:
     """
 
     def __init__(self, repo: Repository, rank: int, threads: int, direct: bool | None,
-                 format_version: int = metadata.FORMAT_VERSION) -> None:
+                 format_version: int = metadata.FORMAT_VERSION, gate: CopyGate | None = None) -> None:
         self.repo, self.rank = repo, rank
+        self._gate = gate or CopyGate()  # a save copying its state: start nothing new meanwhile
         self.format_version = format_version  # of a full step's documents (WriteOptions.format_version)
         self._threads, self._direct = threads, direct
         self._file_writer: FileWriter | None = None
@@ -102,10 +104,10 @@ class ShardWriter:
             # encoding: mkdir and lstat release the GIL, so the kernel's directory work (a new step makes
             # a few directories per array) overlaps the encoding instead of following it
             pool = self._path_pool()
-            ahead = [pool.submit(store.write_path, f"{prefix}/{w.array.shard_key(w.coords)}")
-                     for w, _ in writes]
+            ahead = [pool.submit(self._path, f"{prefix}/{w.array.shard_key(w.coords)}") for w, _ in writes]
         try:
             for i, (w, staged) in enumerate(writes):
+                self._gate.wait()
                 t = clock()
                 block = block_of(w, staged[w.source])
                 rel = w.array.shard_key(w.coords)
@@ -180,11 +182,16 @@ class ShardWriter:
             ph["sync"] += clock() - t
         return out
 
+    def _path(self, key: str) -> str | None:
+        self._gate.wait()
+        return self.repo.store.write_path(key)
+
     def _writer(self) -> FileWriter | None:
         if self._file_writer is None and self.repo.store.is_local:
             # with syncfs, one call per save makes every shard durable (data, sizes, directory entries)
             # instead of one fdatasync per file: hundreds of journal commits fewer
             self._file_writer = FileWriter(threads=self._threads, direct=self._direct, sync=not HAS_SYNCFS)
+            self._gate.listen(self._file_writer.hold)
         return self._file_writer
 
     def _path_pool(self) -> ThreadPoolExecutor:
