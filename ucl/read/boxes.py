@@ -110,10 +110,11 @@ class Handoff:
 
 def _execute(files: StepFiles, group: list[ChunkRead], direct: bool = True, tail: bytes | None = None,
              guessed: bool = False, handoff: Handoff | None = None) -> None:
-    """Read one segment (adjacent chunks of one file), check every chunk's crc32c, deliver it. A cold
-    segment of a bulk read (``direct``) goes to the device with O_DIRECT into a pooled buffer and is
-    checked there before it is copied anywhere (on ``handoff``'s threads when given); other segments
-    are read vectored straight into their targets, then checked.
+    """Read one segment (chunks of one file at most chunks.GAP apart, read with the bytes between),
+    check every chunk's crc32c, deliver it. A cold segment of a bulk read (``direct``) goes to the device
+    with O_DIRECT into a pooled buffer and is checked there before it is copied anywhere (on
+    ``handoff``'s threads when given); other segments are read vectored straight into their targets,
+    then checked.
 
     ``guessed``: the chunks were planned by the shard's predicted index (``StepFiles.predicted_index``);
     ``tail``: the bytes that must follow the segment to the end of the file (the predicted index and its
@@ -129,7 +130,7 @@ def _execute(files: StepFiles, group: list[ChunkRead], direct: bool = True, tail
 def _read_segment(files: StepFiles, group: list[ChunkRead], direct: bool, tail: bytes, guessed: bool,
                   handoff: Handoff | None) -> None:
     c0 = group[0]
-    want = sum(c.nbytes for c in group)
+    want = group[-1].offset + group[-1].nbytes - c0.offset  # (chunks.segments: the bytes between too)
     raw = files.small.get(c0.key)
     if raw is not None:  # read whole with its index
         _from_memory(group, raw, 0)
@@ -155,9 +156,13 @@ def _read_segment(files: StepFiles, group: list[ChunkRead], direct: bool, tail: 
         _read_part(files, c0)
         return
     bufs: list[memoryview] = []
+    at = c0.offset
     for c in group:
+        if c.offset > at:  # padding between chunks (chunks.GAP): read, never delivered
+            bufs.append(memoryview(bytearray(c.offset - at)))
         bufs.append(c.target)
         bufs.append(memoryview(c.crc))
+        at = c.offset + c.nbytes
     end = bytearray(len(tail))
     if tail:
         bufs.append(memoryview(end))

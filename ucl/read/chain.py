@@ -11,9 +11,10 @@ them); :meth:`ChainReader.read` is the same for one box:
    into the destination; others go through a scratch buffer and are placed after.
 2. fetch, on ``io_threads`` threads, per group and link: the chunks the group needs from the link's shard,
    in as few reads as possible (a shard needed whole, small enough and whose index is not cached yet:
-   one read of the whole file; else the index, cached per step, then each run of adjacent chunks in one
-   read), through the step's :class:`~ucl.io.ranges.RangeReader` (large ranges not in the page cache with
-   O_DIRECT), into buffers of the process's pool (fresh pages cost more to fault in than the copy). Each chunk's
+   one read of the whole file; else the index, cached per step, then each run of chunks at most a page
+   apart, chunks.GAP, in one read), through the step's :class:`~ucl.io.ranges.RangeReader` (large
+   ranges not in the page cache with O_DIRECT), into buffers of the process's pool (fresh pages cost
+   more to fault in than the copy). Each chunk's
    crc32c is verified there.
    What reading a chunk gives (its payload, absent, or the error reading it raised) is kept, not raised.
    Groups reading little (``small_bytes``) are fetched and rebuilt a batch to a task: their reads are
@@ -67,7 +68,7 @@ from ucl.io.buffers import shared_pool
 from ucl.io.prefault import Prefaulter
 from ucl.io.ranges import Lease
 from ucl.options import DEFAULT_READ, ReadOptions
-from ucl.read.chunks import Request, covers, shards_of
+from ucl.read.chunks import GAP, Request, covers, shards_of
 from ucl.read.files import StepFiles, absent, truncated
 
 _CRC = struct.Struct("<I")
@@ -257,7 +258,9 @@ class ChainReader:
         spans.sort()
         seg: list[tuple[int, int, int]] = []
         for s in spans:
-            if seg and (s[0] != seg[-1][0] + seg[-1][1] or s[0] + s[1] - seg[0][0] > self.opts.segment_max_bytes):
+            # a run of chunks at most GAP apart (the padding of the page-aligned layout) is one read
+            gap = s[0] - (seg[-1][0] + seg[-1][1]) if seg else 0
+            if seg and (not 0 <= gap < GAP or s[0] + s[1] - seg[0][0] > self.opts.segment_max_bytes):
                 self._segment(f, key, seg, chunked)
                 seg = []
             seg.append(s)

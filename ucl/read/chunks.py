@@ -19,7 +19,7 @@ import torch
 from ucl.errors import CorruptShardIndexError
 from ucl.format import dtypes
 from ucl.format.metadata import ArrayMeta
-from ucl.format.shardfile import EMPTY, as_bytes, contiguous_span, decode_chunk
+from ucl.format.shardfile import EMPTY, PAGE, as_bytes, contiguous_span, decode_chunk
 from ucl.read.files import StepFiles
 
 
@@ -286,21 +286,31 @@ def _placers(meta: ArrayMeta, out: torch.Tensor, files: StepFiles,
     return make
 
 
+#: a read goes on through fewer bytes than this between two chunks of a file rather than split in two:
+#: the padding of the page-aligned layout (spec/core.md §6.1, at most a page less 4 bytes after a chunk
+#: of 1 MiB or more) costs less than a request, and the bytes between are never delivered
+GAP = PAGE
+
+
+def near(prev: ChunkRead, c: ChunkRead) -> bool:
+    """Whether ``c`` follows ``prev`` in the same file close enough to be read with it (:data:`GAP`)."""
+    return prev.key == c.key and 0 <= c.offset - (prev.offset + prev.nbytes) < GAP
+
+
 def segments(chunks: list[ChunkRead], max_bytes: int) -> list[list[ChunkRead]]:
-    """Group chunks of the same file whose bytes are adjacent, up to ``max_bytes`` per group (a chunk
-    read in part, :attr:`ChunkRead.part`, is a group of its own)."""
+    """Group chunks of the same file whose bytes follow each other (at most :data:`GAP` bytes apart), up
+    to ``max_bytes`` per group, the bytes between included (a chunk read in part,
+    :attr:`ChunkRead.part`, is a group of its own). A group is read as one range: from its first chunk's
+    offset to its last chunk's end."""
     chunks = sorted(chunks, key=lambda c: (c.key, c.offset))
     groups: list[list[ChunkRead]] = []
-    size = 0
     for c in chunks:
         g = groups[-1] if groups else None
-        adjacent = g is not None and g[-1].key == c.key and g[-1].offset + g[-1].nbytes == c.offset
-        if g and adjacent and size + c.nbytes <= max_bytes and c.part is None and g[-1].part is None:
+        if (g and near(g[-1], c) and c.offset + c.nbytes - g[0].offset <= max_bytes and c.part is None
+                and g[-1].part is None):
             g.append(c)
-            size += c.nbytes
         else:
             groups.append([c])
-            size = c.nbytes
     return groups
 
 
