@@ -169,6 +169,20 @@ def test_the_persister_starts_nothing_while_a_save_copies(tmp_path) -> None:
     assert_bits(ucl.load(tmp_path, 0, flat=True), flat(sd))
 
 
+def test_a_state_staged_in_pieces_never_holds_the_persister(tmp_path) -> None:
+    # its later pieces wait for the persister to write the earlier ones and free a slot
+    sd = state(10, rows=2048)
+    budget = 2 * (stg.aligned(2048 * 300 * 4) + (1 << 20))  # slots of one large tensor each, and a bit
+    with CheckpointManager(tmp_path, staging_bytes=budget) as mgr:
+        holds: list[bool] = []
+        mgr._staging.gate.listen(holds.append)
+        assert len(mgr._staging.pieces(mgr._planner.plan(flat(sd)), flat(sd))) > 1
+        mgr.save(0, sd).result(timeout=60)
+        mgr.save(1, sd).result(timeout=60)
+        assert holds == []
+    assert_bits(ucl.load(tmp_path, 1, flat=True), flat(sd))
+
+
 def test_a_copy_holds_the_c_writers_and_a_streamed_one_does_not(tmp_path) -> None:
     holds: list[bool] = []
     sd = flat(state(9))
@@ -179,6 +193,8 @@ def test_a_copy_holds_the_c_writers_and_a_streamed_one_does_not(tmp_path) -> Non
         pass
     assert holds == [True, False]
     for _ in st.stage_batches(slot, sd, 1):  # streamed: its batches are written while the next are copied
+        pass
+    for _ in st.stage_batches(slot, sd, None, whole=False):  # a piece: the next ones wait for its write
         pass
     assert holds == [True, False]
     with st.gate.copying(), st.gate.copying():

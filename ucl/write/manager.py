@@ -524,7 +524,7 @@ class CheckpointManager:
             try:
                 # (inside the try: waiting for a slot can be interrupted, and making one can fail)
                 slot = self._staging.acquire(footprint(stage))
-                for staged, last in self._staging.stage_batches(slot, stage, batch):
+                for staged, last in self._staging.stage_batches(slot, stage, batch, whole=len(pieces) == 1):
                     staged_bytes += sum(t.nbytes for t in staged.values())
                     if grads is not None:
                         grad_job = replace(grads[0], staged={n: staged.pop(n) for n in grads[1]}, only=only)

@@ -198,6 +198,8 @@ class CopyGate:
     (docs/staging.md): what the save blocks for is what training pays, so the persister starts nothing
     new while a copy runs (its encoder before each shard, its path helper before each path, the C write
     pool by :meth:`listen`) and what is in flight goes on. The persist is delayed by about the copy.
+    Not for a state staged in pieces (``staging_bytes`` smaller than it): its later pieces need the
+    persister to write the earlier ones.
     """
 
     def __init__(self) -> None:
@@ -454,11 +456,13 @@ class Staging:
                 self._paused -= 1
                 self._start()  # the other slots (and what is left of this one) in the background
 
-    def stage_batches(self, slot: StagingSlot, tensors: dict[str, torch.Tensor],
-                      batch_bytes: int | None) -> Iterator[tuple[dict[str, torch.Tensor], bool]]:
+    def stage_batches(self, slot: StagingSlot, tensors: dict[str, torch.Tensor], batch_bytes: int | None,
+                      *, whole: bool = True) -> Iterator[tuple[dict[str, torch.Tensor], bool]]:
         """:meth:`stage`, one batch of consecutive tensors of about ``batch_bytes`` at a time (None: all
         of them): yields each batch's staged copies, and whether it is the last, as soon as it is copied
-        (its device-to-host copy done), so the persister can write it while the next one is copied."""
+        (its device-to-host copy done), so the persister can write it while the next one is copied.
+        ``whole``: these tensors are all the save stages; False for one piece of a state larger than a
+        slot (``staging_bytes``), whose later pieces wait for the persister to free a slot."""
         with self.paused():  # the preparers pause (after their current chunk) until the copy is done
             slot.materialize()  # pinned: allocated now, or the preparer's allocation awaited
             racing = not slot.prepared  # a preparer's chunk in flight below the copy is waited for
@@ -474,9 +478,10 @@ class Staging:
                 size += t.numel() * t.element_size()
                 if i + 1 < len(items) and (batch_bytes is None or size < batch_bytes):
                     continue
-                # a whole state copied by the CPU: the persister waits (a streamed state's batches are
-                # meant to be written while the next ones are copied; a device's copy is a DMA)
-                yields = batch_bytes is None and not cuda
+                # a whole state copied by the CPU: the persister waits (a streamed state's batches, and
+                # the pieces of a state larger than a slot, are meant to be written while the next ones
+                # are copied; a device's copy is a DMA)
+                yields = whole and batch_bytes is None and not cuda
                 with self.gate.copying() if yields else contextlib.nullcontext():
                     staged, offset = self._copy(slot, batch, offset, racing, cuda)
                 batch, size = [], 0
