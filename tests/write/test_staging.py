@@ -76,6 +76,25 @@ def test_a_prepared_first_save_allocates_nothing_and_round_trips(tmp_path) -> No
     assert ucl.validate(tmp_path).ok
 
 
+def test_save_if_due_prepares_the_staging_at_its_first_step_without_a_save(tmp_path) -> None:
+    from ucl.write.policy import AdaptiveInterval
+
+    sd = state(11)
+    with CheckpointManager(tmp_path, interval=AdaptiveInterval(mtbf=3600.0, min_interval=10.0)) as mgr:
+        st = mgr._staging
+        assert mgr.save_if_due(0, sd, now=0.0) is None  # the first step saves nothing (its cost unknown)
+        assert st.allocations == 2 and all(s.nbytes == slot_size(sd) for s in st.slots)
+        assert st.wait_prepared(60) and all(s.prepared for s in st.slots)
+        h = mgr.save_if_due(1, sd, now=1.0)
+        assert h is not None
+        h.result()
+        assert st.allocations == 2  # the first save made no slot
+        assert mgr.save_if_due(2, sd, now=2.0) is None and st.allocations == 2  # prepared once
+    assert_bits(ucl.load(tmp_path, 1, flat=True), flat(sd))
+    with CheckpointManager(tmp_path / "f", interval=AdaptiveInterval(mtbf=3600.0), prepare=False) as mgr:
+        assert mgr.save_if_due(0, sd, now=0.0) is None and not mgr._staging.slots  # asked not to
+
+
 def test_prepare_method_waits_and_staging_memory_stays_within_the_budget(tmp_path) -> None:
     sd = state(1, rows=4096)  # ~10 MB: the process's memory shows it
     budget = 2 * stg.footprint(flat(sd))

@@ -563,7 +563,8 @@ class CheckpointManager:
         Returns the handle, or None when no save is due. Call it once per training step: what each
         save costs training, its blocked time plus how much longer than usual the steps it overlapped
         took (:meth:`ucl.write.policy.AdaptiveInterval.step`), is fed back to the interval once the save
-        is done.
+        is done. The first call that saves nothing prepares the staging memory for ``state`` (as
+        :meth:`prepare`), unless it is prepared already or the manager was made with ``prepare=False``.
         """
         if self.interval is None:
             raise InvalidArgumentError("save_if_due needs CheckpointManager(interval=AdaptiveInterval(...))")
@@ -578,6 +579,13 @@ class CheckpointManager:
         if self._ctl.group is not None:
             due = bool(self._ctl.broadcast(due))
         if not due:
+            st = self._staging
+            if not self._closed and st.eager and st.target == 0 and not st.slots:
+                # nothing prepared or saved yet (no prepare=, no staging_bytes): the state is known now,
+                # so its slots are made and touched while training goes on, as prepare(state) would,
+                # and the first save does not pay for fresh memory (the same on every rank: the plan
+                # may be collective, and `due` is the coordinator's)
+                self.prepare(state)
             return None
         if self._closed:
             raise InvalidArgumentError("CheckpointManager is closed")
