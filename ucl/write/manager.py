@@ -94,7 +94,8 @@ class CheckpointManager:
         When the staging memory is allocated and its pages touched (fresh pages cost several times the
         copy into them; docs/staging.md). ``None`` (default): with ``staging_bytes``, the budget now;
         without, the first save allocates its own slot (and pays for it) and the other slots of that size
-        are prepared right after it. A state dict (the one ``save`` will be given, its tensors real,
+        are prepared right after it, unless :meth:`save_if_due` prepared them first (at its first call
+        that saves nothing). A state dict (the one ``save`` will be given, its tensors real,
         optimizer state included): slots for it now, as :meth:`prepare`. ``True``: the budget now
         (needs ``staging_bytes``). ``False``: every slot when a save first needs it, paid by that save.
         Whatever is prepared now is touched on a background thread while training runs, never twice.
