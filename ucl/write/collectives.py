@@ -38,6 +38,13 @@ class Collectives:
     def __init__(self, group: Any, rank: int, world: int) -> None:
         self.group, self.rank, self.world = group, rank, world
 
+    @staticmethod
+    def size(process_group: Any) -> int:
+        """The world of the group :meth:`make` would make, without making it (no collective)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1
+        return int(dist.get_world_size(process_group))
+
     @classmethod
     def make(cls, process_group: Any, timeout: float) -> Collectives:
         """A new gloo group over the ranks of ``process_group`` (default: the world), or none.

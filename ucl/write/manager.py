@@ -237,22 +237,21 @@ class CheckpointManager:
             self.layout = as_layout(layout)
         elif layout is None and mesh is not None:
             raise InvalidArgumentError("mesh= needs a layout= to go with it")
+        elif dtensor and mesh is not None:
+            raise InvalidArgumentError("layout='dtensor' takes its mesh from the DTensors; pass no mesh=")
         if no_dist and process_group is not None:
             raise InvalidArgumentError("no_dist=True saves without any process group: pass no process_group")
+        if self.layout is not None:
+            # checked before any group is made: a mesh refused on every rank alike raises there, and no
+            # rank tears down a new group while a peer is still connecting to it (that peer then failed
+            # with gloo's "connectFullMesh failed" instead of this error)
+            self.mesh = as_mesh(mesh, self.layout, 1 if no_dist else Collectives.size(process_group))
         self._dist = Collectives(None, 0, 1) if no_dist else Collectives.make(process_group, timeout)
         self.rank, self.world = self._dist.rank, self._dist.world
         # a second group for the collectives of the caller's thread (save_if_due, layout plans, gradient
         # records): the persister's commit collectives run concurrently on the first, and two threads must
         # never issue collectives on one group (their order could differ between ranks)
         self._ctl = Collectives.make(process_group, timeout) if self._dist.group is not None else self._dist
-        if self.layout is not None:
-            try:
-                self.mesh = as_mesh(mesh, self.layout, self.world)
-            except BaseException:
-                self._close_groups()
-                raise
-        elif dtensor and mesh is not None:
-            raise InvalidArgumentError("layout='dtensor' takes its mesh from the DTensors; pass no mesh=")
         # with a memory tier, saves commit there (self.repo); the drain copies them to `path` (self.durable)
         self.memory = memory
         self.durable: Repository | None = None
