@@ -68,7 +68,7 @@ from ucl.io.buffers import shared_pool
 from ucl.io.prefault import Prefaulter
 from ucl.io.ranges import Lease
 from ucl.options import DEFAULT_READ, ReadOptions
-from ucl.read.chunks import GAP, Request, covers, shards_of
+from ucl.read.chunks import Request, covers, follows, shards_of
 from ucl.read.files import StepFiles, absent, truncated
 
 _CRC = struct.Struct("<I")
@@ -259,8 +259,8 @@ class ChainReader:
         seg: list[tuple[int, int, int]] = []
         for s in spans:
             # a run of chunks at most GAP apart (the padding of the page-aligned layout) is one read
-            gap = s[0] - (seg[-1][0] + seg[-1][1]) if seg else 0
-            if seg and (not 0 <= gap < GAP or s[0] + s[1] - seg[0][0] > self.opts.segment_max_bytes):
+            if seg and (not follows(seg[-1][0] + seg[-1][1], s[0])
+                        or s[0] + s[1] - seg[0][0] > self.opts.segment_max_bytes):
                 self._segment(f, key, seg, chunked)
                 seg = []
             seg.append(s)

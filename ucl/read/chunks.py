@@ -292,9 +292,14 @@ def _placers(meta: ArrayMeta, out: torch.Tensor, files: StepFiles,
 GAP = PAGE
 
 
+def follows(end: int, offset: int) -> bool:
+    """Whether bytes at ``offset`` are read with a range ending at ``end`` (at most :data:`GAP` after)."""
+    return 0 <= offset - end < GAP
+
+
 def near(prev: ChunkRead, c: ChunkRead) -> bool:
-    """Whether ``c`` follows ``prev`` in the same file close enough to be read with it (:data:`GAP`)."""
-    return prev.key == c.key and 0 <= c.offset - (prev.offset + prev.nbytes) < GAP
+    """Whether ``c`` follows ``prev`` in the same file close enough to be read with it."""
+    return prev.key == c.key and follows(prev.offset + prev.nbytes, c.offset)
 
 
 def segments(chunks: list[ChunkRead], max_bytes: int) -> list[list[ChunkRead]]:
