@@ -95,3 +95,18 @@ def save_gradient_records(rank: int, world: int, path: str, steps: int) -> dict[
             mgr.save(step, st, optimizer=opt)
         mgr.wait()
     return {"rank": rank, "digests": digests}
+
+
+def open_manager(rank: int, world: int, paths: list[str]) -> dict[str, Any]:
+    """A manager opened on ``paths[rank]`` (the same path on every rank but for a test of a node-local
+    path): what each rank raised, or 'opened', and how long it took."""
+    import time
+
+    t0 = time.monotonic()
+    try:
+        with CheckpointManager(paths[rank], timeout=120) as mgr:
+            mgr.save(0, replicated_state(0)).result()
+        outcome = "opened"
+    except Exception as e:  # noqa: BLE001
+        outcome = f"{type(e).__name__}: {e}"
+    return {"rank": rank, "outcome": outcome, "seconds": time.monotonic() - t0}

@@ -68,3 +68,33 @@ def test_data_parallel_gradient_records(tmp_path) -> None:
                 for n, t in got.items()} == want, f"step {step}"
     assert kinds == ["full", "grad", "grad", "grad", "full", "grad"]
     assert ucl.validate(tmp_path).ok
+
+
+def test_a_repository_held_by_another_writer_fails_every_rank_at_once(tmp_path) -> None:
+    """Rank 0 takes the writer lock; another process holds it. Rank 1 used to wait at the barrier after
+    the lock for a rank that had raised (until gloo's timeout); now every rank raises rank 0's error."""
+    from ucl.format.lock import WriterLock
+
+    lock = WriterLock.acquire(ucl.Repository.open(tmp_path, create=True))
+    try:
+        results = dist.run(2, "tests.write.dist_cases:open_manager", {"paths": [str(tmp_path)] * 2}, timeout=120)
+    finally:
+        lock.release()
+    for r in results:
+        assert r["outcome"].startswith("WriterLockedError: ") and "another writer holds" in r["outcome"], r
+        assert r["seconds"] < 60, r  # not the manager's timeout (120 s)
+    assert "rank 0: " in results[1]["outcome"]
+    assert ucl.Repository.open(tmp_path).steps() == []
+
+
+def test_a_path_missing_on_one_rank_fails_every_rank(tmp_path) -> None:
+    """A node-local path: rank 0 made the repository where rank 1 finds nothing. Every rank raises rank
+    1's error, and nothing is committed."""
+    (tmp_path / "other").mkdir()
+    paths = [str(tmp_path / "repo"), str(tmp_path / "other" / "repo")]
+    results = dist.run(2, "tests.write.dist_cases:open_manager", {"paths": paths}, timeout=120)
+    for r in results:
+        assert r["outcome"] != "opened" and str(tmp_path / "other" / "repo") in r["outcome"], r
+        assert r["seconds"] < 60, r
+    assert "rank 1: " in results[0]["outcome"]
+    assert ucl.Repository.open(paths[0]).steps() == []

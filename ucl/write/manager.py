@@ -55,7 +55,7 @@ from ucl.read.checkpoint import open as open_step
 from ucl.read.load import load, load_plan
 from ucl.write import compaction
 from ucl.write import rank_state as _rank_state
-from ucl.write.collectives import Collectives
+from ucl.write.collectives import Collectives, error_dict, error_from
 from ucl.write.commit import StepCommit
 from ucl.write.events import SaveEvents, log
 from ucl.write.handle import SaveHandle
@@ -241,11 +241,18 @@ class CheckpointManager:
             raise InvalidArgumentError("layout='dtensor' takes its mesh from the DTensors; pass no mesh=")
         if no_dist and process_group is not None:
             raise InvalidArgumentError("no_dist=True saves without any process group: pass no process_group")
+        # what every rank refuses alike is checked before any group is made: there, no rank tears down a
+        # new group while a peer is still connecting to it (that peer then failed with gloo's
+        # "connectFullMesh failed" instead of the error)
+        world = 1 if no_dist else Collectives.size(process_group)
         if self.layout is not None:
-            # checked before any group is made: a mesh refused on every rank alike raises there, and no
-            # rank tears down a new group while a peer is still connecting to it (that peer then failed
-            # with gloo's "connectFullMesh failed" instead of this error)
-            self.mesh = as_mesh(mesh, self.layout, 1 if no_dist else Collectives.size(process_group))
+            self.mesh = as_mesh(mesh, self.layout, world)
+        if memory is not None:
+            rpn, nodes = memory.node_layout(world)
+            if nodes > 1 and delta is not None:
+                raise InvalidArgumentError("a memory tier spread over nodes holds full steps: delta= cannot be "
+                                           "combined with it (the durable tier's chains would need every "
+                                           "node's parts)")
         self._dist = Collectives(None, 0, 1) if no_dist else Collectives.make(process_group, timeout)
         self.rank, self.world = self._dist.rank, self._dist.world
         # a second group for the collectives of the caller's thread (save_if_due, layout plans, gradient
@@ -259,15 +266,6 @@ class CheckpointManager:
         # with several nodes, each holds a part of the memory tier (ucl.write.peers)
         self._spread: SpreadTier | None = None
         if memory is not None:
-            try:
-                rpn, nodes = memory.node_layout(self.world)
-                if nodes > 1 and delta is not None:
-                    raise InvalidArgumentError("a memory tier spread over nodes holds full steps: delta= "
-                                               "cannot be combined with it (the durable tier's chains would "
-                                               "need every node's parts)")
-            except BaseException:
-                self._close_groups()
-                raise
             self.durable, self._durable_lock = self._open_repo(path, storage_options)
             try:
                 if nodes > 1:
@@ -357,19 +355,44 @@ class CheckpointManager:
 
     def _open_repo(self, path: Any, storage_options: dict[str, Any] | None) -> tuple[Repository, WriterLock | None]:
         """The repository and (rank 0) its writer lock. Rank 0 also finishes the compactions a crash
-        interrupted, before any rank looks at the steps: a step hidden by one is visible again."""
-        lock = None
-        if self.rank == 0:
-            repo = Repository.open(path, storage_options, create=True)
-            lock = WriterLock.acquire(repo)
-            try:
-                compaction.finish_pending(repo)
-            except BaseException:
-                lock.release()
-                raise
-        self._dist.barrier()
-        if self.rank != 0:
-            repo = Repository.open(path, storage_options)
+        interrupted, before any rank looks at the steps: a step hidden by one is visible again.
+
+        When a rank fails (rank 0: another writer holds the lock, a path it cannot create; another rank:
+        no repository where rank 0 made one, e.g. a node-local path), every rank raises that error: the
+        others would otherwise wait in a collective for a rank that is gone. On failure the manager's
+        groups are closed."""
+        lock, failed = None, None
+        try:
+            if self.rank == 0:
+                try:
+                    repo = Repository.open(path, storage_options, create=True)
+                    lock = WriterLock.acquire(repo)
+                    compaction.finish_pending(repo)
+                except Exception as e:
+                    if lock is not None:
+                        lock.release()
+                    failed = e
+            # instead of a barrier: rank 0's failure, or None, reaches every rank
+            error = self._dist.broadcast(None if failed is None else error_dict(failed, 0))
+            if failed is not None:
+                raise failed
+            if error is not None:
+                raise error_from(error)
+            if self.rank != 0:
+                try:
+                    repo = Repository.open(path, storage_options)
+                except Exception as e:  # e.g. a node-local path: rank 0 made it on another machine
+                    failed = e
+            if self._dist.group is not None:
+                errors = [e for e in self._dist.allgather(None if failed is None else error_dict(failed, self.rank))
+                          if e is not None]
+                if failed is not None:
+                    raise failed
+                if errors:
+                    raise error_from(errors[0])
+        except BaseException:
+            self._close_groups()
+            raise
         return repo, lock
 
     # the constructor's settings, read by the parts that use them
