@@ -13,13 +13,15 @@ Rows:
   (each slot allocated by the save that first needs it), the default (the first save allocates its slot,
   the others are prepared after it), ``prepare=state`` with the first save after ``--train-s`` seconds of
   training (a matmul loop on both cores) or at once (racing the background touching),
-  ``prepare(state, wait=True)``;
+  ``prepare(state, wait=True)``, and a loop of ``save_if_due`` (no ``prepare=``; one call per training
+  step of ``--train-s`` / 5 seconds, ``AdaptiveInterval(mtbf=3600, max_interval=<a step>)``: its first
+  call saves nothing and prepares the staging memory, the next four save, each after a step of training);
   ``--baseline DIR`` adds the ucl found in DIR (e.g. ``git archive HEAD ucl | tar -x -C DIR`` plus the
   built ``ucl/*.so``): the behaviour before preparing existed.
 
 Columns: the blocked time of saves 1-4 (saves 2 and 3 after the previous step committed; save 4 at once
 after save 3, while step 3 persists: it takes the other slot, and the persister starts nothing new while
-it copies),
+it copies; in the ``save_if_due`` row each save comes one training step after the previous one),
 saves against the warm memcpy (target <= 1.5x), save 1 against a copy of the state into a staging slot
 timed in the same process right after its saves (on a shared machine, the ratio that other work
 disturbs least), the staging bytes the background threads had not touched
@@ -45,7 +47,7 @@ from save import training_state  # noqa: E402
 c.SIZES.setdefault("gpt2", (50257, 1024, 768, 12))  # GPT-2 small: 124 M parameters
 
 CASES = ["memcpy warm", "memcpy fresh", "ucl prepare=False", "ucl default", "ucl prepare=state + training",
-         "ucl prepare=state + save at once", "ucl prepare(wait=True)"]
+         "ucl prepare=state + save at once", "ucl prepare(wait=True)", "ucl save_if_due + training"]
 BASELINE = "ucl baseline (--baseline)"
 
 
@@ -81,6 +83,25 @@ def _copy_into_slot(mgr: object, state: dict) -> float:
     return time.perf_counter() - t0
 
 
+def _save_if_due(mgr: object, state: dict, step_s: float) -> tuple[list[float], float]:
+    """A training loop calling save_if_due once per step until it saved four times: each saving
+    call's time, and the staging the preparers had not reached when the first save began."""
+    blocked: list[float] = []
+    left = float("nan")
+    step = 0
+    while len(blocked) < 4:
+        _train(step_s)
+        before = _left(mgr)
+        t0 = time.perf_counter()
+        handle = mgr.save_if_due(step, state)
+        dt = time.perf_counter() - t0
+        if handle is not None:
+            left = before if not blocked else left
+            blocked.append(dt)
+        step += 1
+    return blocked, left
+
+
 def child(case: str, size: str, root: str, train_s: float) -> dict:
     import torch
 
@@ -110,20 +131,27 @@ def child(case: str, size: str, root: str, train_s: float) -> dict:
             kw["prepare"] = False
         elif case.startswith("ucl prepare=state"):
             kw["prepare"] = state
+        if case == "ucl save_if_due + training":
+            from ucl.write.policy import AdaptiveInterval
+
+            kw["interval"] = AdaptiveInterval(mtbf=3600, max_interval=train_s / 5)
         with CheckpointManager(out, **kw) as mgr:
-            if case == "ucl prepare(wait=True)":
-                mgr.prepare(state, wait=True)
-            elif case.endswith("training"):
-                _train(train_s)
-            handles = []
-            for step in range(4):
-                if step in (1, 2):
-                    handles[-1].result()  # saves 2 and 3: after the previous step committed
-                if step == 0:
-                    left = _left(mgr)
-                t0 = time.perf_counter()
-                handles.append(mgr.save(step, state))  # save 4: at once, while step 3 persists
-                blocked.append(time.perf_counter() - t0)
+            if case == "ucl save_if_due + training":
+                blocked, left = _save_if_due(mgr, state, train_s / 5)
+            else:
+                if case == "ucl prepare(wait=True)":
+                    mgr.prepare(state, wait=True)
+                elif case.endswith("training"):
+                    _train(train_s)
+                handles = []
+                for step in range(4):
+                    if step in (1, 2):
+                        handles[-1].result()  # saves 2 and 3: after the previous step committed
+                    if step == 0:
+                        left = _left(mgr)
+                    t0 = time.perf_counter()
+                    handles.append(mgr.save(step, state))  # save 4: at once, while step 3 persists
+                    blocked.append(time.perf_counter() - t0)
             mgr.wait()
             peak = c.peak_rss() - base
             memcpy = _copy_into_slot(mgr, state)  # the same process's floor, just after (the same noise)
