@@ -173,3 +173,24 @@ def test_delta_read_bench_prints_every_read(tmp_path: Path) -> None:
                       "base='full', 1 delta 2 steps from its base"):
             assert f"{temp}: {label}" in rows, f"no row {temp}: {label} in:\n{proc.stdout}"
         assert rows[f"{temp}: full step (delta=None)"][1] == "1.00x"
+
+
+@pytest.mark.s3
+def test_remote_bench_prints_every_case(tmp_path: Path) -> None:
+    """bench/remote.py: a loopback S3 server of its own, every case read back and checked by the bench
+    (it raises when a reader returns other tensors than were saved), the server's request counts."""
+    pytest.importorskip("moto")
+    pytest.importorskip("s3fs")
+    script = ROOT / "bench" / "remote.py"
+    spec = importlib.util.spec_from_file_location("bench_remote", script)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    proc = subprocess.run([sys.executable, str(script), "--size", "tiny", "--reps", "1"], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(proc.stdout)
+    for case in mod.CASES:
+        assert case in rows, f"no row for {case!r} in:\n{proc.stdout}"
+        seconds, _, get = rows[case][:3]
+        assert float(seconds.removesuffix(" s")) > 0 and int(get) > 0
