@@ -217,17 +217,16 @@ def read_listed(store: Store, step: int, rel: str, record: CommitRecord, *, n_in
     if rel not in record.files:
         raise MissingShardError(f"{key} is not listed in the commit record of step {step}", file=key)
     size, crc = record.files[rel]
-    actual = store.size(key)  # compared before anything is read: a record's size may lie
-    if actual is None:
-        raise MissingShardError(f"{key} is missing", file=key)
-    if actual != size:
-        raise ShardSizeError(f"{key} is {actual} bytes, the commit record says {size}", file=key)
     try:
-        data = store.read_bounded(key, size)  # never more than the record says: a file may grow
+        # never more than the record says (+1, to know there is more): a file may be larger than its record
+        # says, or grow (no size query first: on an object store it was a request of its own per file)
+        data = store.read_bounded(key, size)
     except (FileNotFoundError, NotADirectoryError):
         raise MissingShardError(f"{key} is missing", file=key) from None
     except LimitExceededError:
-        raise ShardSizeError(f"{key} is larger than the {size} bytes the commit record says", file=key) from None
+        actual = store.size(key)  # to name it
+        found = f"{actual} bytes" if actual is not None and actual > size else f"more than {size} bytes"
+        raise ShardSizeError(f"{key} is {found}, the commit record says {size}", file=key) from None
     if len(data) != size:
         raise ShardSizeError(f"{key} is {len(data)} bytes, the commit record says {size}", file=key)
     if n_inner is not None:

@@ -247,6 +247,7 @@ def _copy(dst: memoryview, src: memoryview) -> None:
 
 
 _SCRATCH = 256 << 10  # per thread: the bytes of an edge chunk outside the destination pass through it
+_EDGE_REQUEST = 16 << 20  # object stores: an edge chunk up to this much outside the destination is one request
 _local = threading.local()
 
 
@@ -278,6 +279,17 @@ def _read_part(files: StepFiles, c: ChunkRead) -> None:
             a += k
         return crc_
 
+    if not files.store.is_local and lo + n - hi <= _EDGE_REQUEST:
+        # an object store: a request costs milliseconds whatever its size (in 256 KiB pieces, the edge
+        # chunk of a 13 MB slice from a loopback S3 server took ten requests one after another, 0.5 s of
+        # the slice's 0.8 s), so the chunk is one request, the bytes outside the destination into buffers
+        # of their own (at most an inner chunk's: 1-8 MiB)
+        pre, post = memoryview(bytearray(lo)), memoryview(bytearray(n - hi))
+        read(0, [pre, dst, post, memoryview(c.crc)])
+        crc = _native.crc32c(post, _native.crc32c(dst, _native.crc32c(pre, 0)))
+        if crc != _CRC.unpack(c.crc)[0]:
+            raise chunk_checksum_error(c.meta, c.key, c.coords)
+        return
     crc = through_scratch(0, lo)
     read(lo, [dst, memoryview(c.crc)] if hi == n else [dst])
     crc = _native.crc32c(dst, crc)

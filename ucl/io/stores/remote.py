@@ -25,7 +25,7 @@ from typing import Any
 import fsspec
 import fsspec.asyn
 
-from ucl.errors import UCLError, WriteError
+from ucl.errors import LimitExceededError, UCLError, WriteError
 from ucl.io import native as _native
 from ucl.io.stores.base import Buffer, FileInfo, Store, check_key
 
@@ -93,6 +93,15 @@ class FsspecStore(Store):
             if e.errno == errno.EINVAL and (size := self.size(key)) is not None and offset >= size:
                 return b""
             raise
+
+    def read_bounded(self, key: str, limit: int) -> bytes:
+        """The whole object, refused (LimitExceededError) when larger than ``limit``: one ranged GET of
+        ``limit + 1`` bytes, which bounds the read and tells whether there is more (a HEAD first doubled
+        the requests of every document an open reads)."""
+        data = self.read_range(key, 0, limit + 1)
+        if len(data) > limit:
+            raise LimitExceededError(f"{key} is more than the limit of {limit} bytes", file=key)
+        return data
 
     def size(self, key: str) -> int | None:
         path = self.path(key)
