@@ -110,3 +110,20 @@ def open_manager(rank: int, world: int, paths: list[str]) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001
         outcome = f"{type(e).__name__}: {e}"
     return {"rank": rank, "outcome": outcome, "seconds": time.monotonic() - t0}
+
+
+def open_spread_manager(rank: int, world: int, disk: str, mem: str) -> dict[str, Any]:
+    """A manager whose memory tier is spread over ``world`` nodes of one rank each: what each rank raised,
+    or 'opened', and how long it took."""
+    import time
+
+    from ucl.write.tiers import MemoryTier
+
+    t0 = time.monotonic()
+    try:
+        with CheckpointManager(disk, memory=MemoryTier(mem, ranks_per_node=1, peers=1), timeout=120):
+            pass
+        outcome = "opened"
+    except Exception as e:  # noqa: BLE001
+        outcome = f"{type(e).__name__}: {e}"
+    return {"rank": rank, "outcome": outcome, "seconds": time.monotonic() - t0}

@@ -98,3 +98,25 @@ def test_a_path_missing_on_one_rank_fails_every_rank(tmp_path) -> None:
         assert r["seconds"] < 60, r
     assert "rank 1: " in results[0]["outcome"]
     assert ucl.Repository.open(paths[0]).steps() == []
+
+
+def test_a_memory_part_held_by_another_writer_fails_every_rank_at_once(tmp_path) -> None:
+    """A memory tier spread over two nodes; node 1's part is still held by another process (say, one left
+    from an earlier job). Node 1's leader fails to take its lock; the other rank, at the barrier after it,
+    used to get gloo's "Connection closed by peer" instead. Now both raise the lock's error, and a manager
+    opened once the part is free works (the durable repository's lock was given back)."""
+    from ucl.format.lock import WriterLock
+    from ucl.write.peers import PartStore
+
+    kw = {"disk": str(tmp_path / "disk"), "mem": str(tmp_path / "n{node}")}
+    part = ucl.Repository.open(PartStore(str(tmp_path / "n1")), create=True)
+    lock = WriterLock.acquire(part)
+    try:
+        results = dist.run(2, "tests.write.dist_cases:open_spread_manager", kw, timeout=120)
+    finally:
+        lock.release()
+    for r in results:
+        assert r["outcome"].startswith("WriterLockedError: ") and "n1" in r["outcome"], r
+        assert r["seconds"] < 60, r
+    assert "rank 1: " in results[0]["outcome"]
+    assert [r["outcome"] for r in dist.run(2, "tests.write.dist_cases:open_spread_manager", kw)] == ["opened"] * 2

@@ -150,6 +150,22 @@ class Collectives:
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src), group=self.group)
         return box[0]
 
+    def agree(self, failed: BaseException | None) -> None:
+        """A barrier that carries failures: once every rank is here, every rank raises the error of the
+        first rank (in rank order) that failed (a failing rank its own exception), or none returns an
+        error. Where some ranks act alone (rank 0 takes a lock), the others would otherwise wait in the
+        next collective for a rank that has raised."""
+        if self.group is None:
+            if failed is not None:
+                raise failed
+            return
+        errors = self.allgather(None if failed is None else error_dict(failed, self.rank))
+        if failed is not None:
+            raise failed
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise error_from(first)
+
     def barrier(self) -> None:
         """Wait until every rank of the group is here."""
         if self.group is not None:

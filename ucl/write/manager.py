@@ -55,7 +55,7 @@ from ucl.read.checkpoint import open as open_step
 from ucl.read.load import load, load_plan
 from ucl.write import compaction
 from ucl.write import rank_state as _rank_state
-from ucl.write.collectives import Collectives, error_dict, error_from
+from ucl.write.collectives import Collectives
 from ucl.write.commit import StepCommit
 from ucl.write.events import SaveEvents, log
 from ucl.write.handle import SaveHandle
@@ -371,26 +371,18 @@ class CheckpointManager:
                 except Exception as e:
                     if lock is not None:
                         lock.release()
+                        lock = None
                     failed = e
-            # instead of a barrier: rank 0's failure, or None, reaches every rank
-            error = self._dist.broadcast(None if failed is None else error_dict(failed, 0))
-            if failed is not None:
-                raise failed
-            if error is not None:
-                raise error_from(error)
+            self._dist.agree(failed)  # rank 0's failure reaches every rank (a barrier would wait for it)
             if self.rank != 0:
                 try:
                     repo = Repository.open(path, storage_options)
                 except Exception as e:  # e.g. a node-local path: rank 0 made it on another machine
                     failed = e
-            if self._dist.group is not None:
-                errors = [e for e in self._dist.allgather(None if failed is None else error_dict(failed, self.rank))
-                          if e is not None]
-                if failed is not None:
-                    raise failed
-                if errors:
-                    raise error_from(errors[0])
+            self._dist.agree(failed)
         except BaseException:
+            if lock is not None:  # another rank failed
+                lock.release()
             self._close_groups()
             raise
         return repo, lock

@@ -111,13 +111,25 @@ class SpreadTier:
         self.leader = rank % ranks_per_node == 0
         self.dist, self.ctl = dist_, ctl
         self.lock: WriterLock | None = None  # a leader's, of its part
+        failed: Exception | None = None
         if self.leader:
-            self.repo = Repository.open(PartStore(os.fspath(path)), create=True)
-            self.repo.store.makedirs("parts")
-            self.lock = WriterLock.acquire(self.repo)
-        ctl.barrier()
-        if not self.leader:
-            self.repo = Repository.open(PartStore(os.fspath(path)))
+            try:
+                self.repo = Repository.open(PartStore(os.fspath(path)), create=True)
+                self.repo.store.makedirs("parts")
+                self.lock = WriterLock.acquire(self.repo)
+            except Exception as e:  # e.g. a part still held by a process of an earlier job
+                failed = e
+        try:
+            ctl.agree(failed)  # a leader's failure reaches every rank (a barrier would wait for it)
+            if not self.leader:
+                try:
+                    self.repo = Repository.open(PartStore(os.fspath(path)))
+                except Exception as e:
+                    failed = e
+            ctl.agree(failed)
+        except BaseException:
+            self.release()
+            raise
         self.retention = Retention(self.repo, keep_last, None)
 
     @property
