@@ -15,7 +15,10 @@ Rows:
   training (a matmul loop on both cores) or at once (racing the background touching),
   ``prepare(state, wait=True)``, and a loop of ``save_if_due`` (no ``prepare=``; one call per training
   step of ``--train-s`` / 5 seconds, ``AdaptiveInterval(mtbf=3600, max_interval=<a step>)``: its first
-  call saves nothing and prepares the staging memory, the next four save, each after a step of training);
+  call saves nothing and prepares the staging memory, the next four save, each after a step of training),
+  and a staging budget of half the state (``staging_bytes``: two slots of a quarter, so every save is
+  staged in pieces, each piece waiting for the persister to free a slot: a save blocks for most of a
+  persist, and the persister is not held while it copies);
   ``--baseline DIR`` adds the ucl found in DIR (e.g. ``git archive HEAD ucl | tar -x -C DIR`` plus the
   built ``ucl/*.so``): the behaviour before preparing existed.
 
@@ -47,7 +50,8 @@ from save import training_state  # noqa: E402
 c.SIZES.setdefault("gpt2", (50257, 1024, 768, 12))  # GPT-2 small: 124 M parameters
 
 CASES = ["memcpy warm", "memcpy fresh", "ucl prepare=False", "ucl default", "ucl prepare=state + training",
-         "ucl prepare=state + save at once", "ucl prepare(wait=True)", "ucl save_if_due + training"]
+         "ucl prepare=state + save at once", "ucl prepare(wait=True)", "ucl save_if_due + training",
+         "ucl staging_bytes=state/2"]
 BASELINE = "ucl baseline (--baseline)"
 
 
@@ -114,6 +118,7 @@ def child(case: str, size: str, root: str, train_s: float) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     blocked: list[float] = []
     left = float("nan")
+    kw: dict = {}
     if case.startswith("memcpy"):
         dst = {k: torch.empty_like(v) for k, v in state.items()}
         if case == "memcpy warm":
@@ -126,11 +131,12 @@ def child(case: str, size: str, root: str, train_s: float) -> dict:
     else:
         from ucl.write.manager import CheckpointManager
 
-        kw: dict = {}
         if case == "ucl prepare=False":
             kw["prepare"] = False
         elif case.startswith("ucl prepare=state"):
             kw["prepare"] = state
+        elif case == "ucl staging_bytes=state/2":
+            kw["staging_bytes"] = nbytes // 2
         if case == "ucl save_if_due + training":
             from ucl.write.policy import AdaptiveInterval
 
@@ -154,14 +160,15 @@ def child(case: str, size: str, root: str, train_s: float) -> dict:
                     blocked.append(time.perf_counter() - t0)
             mgr.wait()
             peak = c.peak_rss() - base
-            memcpy = _copy_into_slot(mgr, state)  # the same process's floor, just after (the same noise)
+            # the same process's floor, just after (the same noise); a slot smaller than the state: none
+            memcpy = _copy_into_slot(mgr, state) if "staging_bytes" not in kw else float("nan")
     if case.startswith("memcpy"):
         peak = c.peak_rss() - base
         memcpy = blocked[0]
     shutil.rmtree(out, ignore_errors=True)
     return {"case": case, "bytes": nbytes, "blocked": blocked, "peak": peak, "left": left, "load": load,
             "memcpy": memcpy,
-            "budget": 2 * sum(-(-t.nbytes // 4096) * 4096 for t in state.values())}
+            "budget": kw.get("staging_bytes") or 2 * sum(-(-t.nbytes // 4096) * 4096 for t in state.values())}
 
 
 def main() -> None:

@@ -15,13 +15,23 @@ Cases:
   all arrays concurrently;
 - ``zarr slice`` / ``load``: zarr-python's ``zarr.open_group`` on the step over fsspec (s3fs), then the
   slice, or every array;
+- ``DCP load``: ``torch.distributed.checkpoint.load`` of the same state, saved by DCP's fsspec writer,
+  through its fsspec reader (one process, preallocated destination);
 - ``objects`` (the probe): every object of the step fetched whole with s3fs ``cat`` in one concurrent
-  batch: what the data costs from this server without any format's reads around it.
+  batch: what the data costs from this server without any format's reads around it;
+- ``ucl save``: a ``CheckpointManager`` on a new prefix opened, one save, closed (the state made before
+  the clock); ``ucl.save``: the one-call reference writer (shards one after another) to a new prefix;
+- ``DCP save``: ``torch.distributed.checkpoint.save`` through its fsspec writer (4 threads), one process;
+- ``objects put`` (the probe): the step's objects (fetched before the clock: its GETs and the bytes they
+  sent are in its counts) written whole with s3fs ``pipe`` in one concurrent batch.
 
-Columns: wall seconds in the child (imports before the clock), requests the server answered (GET, HEAD,
-and the rest: listings), bytes it sent, and the ratio of bytes sent to the bytes the case returns. The
-server is Python in this process: its time per request (~1-3 ms here) is part of every figure, as a
-real object store's latency would be.
+Columns: wall seconds in the child (imports before the clock), requests the server answered by method,
+the bytes the case reads or saves, the bytes on the wire (sent and received by the server, bodies only)
+and their ratio, and the objects a save leaves. The server is Python in this process: its time per
+request (a few ms here; a ranged GET copies the whole object first, ~50 ms for a 100 MB one) is part of
+every figure, as a real object store's latency would be. ``--latency-ms N`` adds N ms before every
+answer (requests in flight still overlap: the server answers each on a thread of its own), a stand-in
+for a real store's first-byte latency (tens of ms on S3), which loopback lacks.
 """
 
 from __future__ import annotations
@@ -42,7 +52,9 @@ import _common as C  # noqa: E402
 
 STEP = 0
 SLICE_NAME = "transformer.wte.weight"
-CASES = ["ucl slice", "tensorstore slice", "zarr slice", "ucl load", "tensorstore load", "zarr load", "objects"]
+CASES = ["ucl slice", "tensorstore slice", "zarr slice", "ucl load", "tensorstore load", "zarr load", "DCP load",
+         "objects", "ucl save", "ucl.save", "DCP save", "objects put"]
+SAVES = ("ucl save", "ucl.save", "DCP save", "objects put")  # each to a prefix of its own, deleted after
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                "AWS_DEFAULT_REGION": "us-east-1"}
 
@@ -51,7 +63,7 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing
 class Server:
     """moto's S3 on loopback, in a thread of this process, counting requests by method and bytes sent."""
 
-    def __init__(self) -> None:
+    def __init__(self, latency: float = 0.0) -> None:
         import logging
 
         from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
@@ -59,13 +71,16 @@ class Server:
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)
         self.requests: collections.Counter[str] = collections.Counter()
-        self.sent = 0
+        self.sent = self.received = 0
         self._lock = threading.Lock()
         app = DomainDispatcherApplication(create_backend_app)
 
         def counting(environ: dict[str, Any], start_response: Any) -> Any:
+            if latency:
+                time.sleep(latency)  # a request's first-byte latency (its own thread: requests still overlap)
             with self._lock:
                 self.requests[environ["REQUEST_METHOD"]] += 1
+                self.received += int(environ.get("CONTENT_LENGTH") or 0)
             for chunk in app(environ, start_response):
                 with self._lock:
                     self.sent += len(chunk)
@@ -81,9 +96,22 @@ class Server:
         return {"AWS_ENDPOINT_URL": self.endpoint, **CREDENTIALS,
                 "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
 
-    def counts(self) -> tuple[dict[str, int], int]:
+    def drop(self, bucket: str, prefix: str) -> tuple[int, int]:
+        """Delete everything under ``prefix`` (a save case's output); the objects and bytes it held."""
+        import boto3
+
+        s3 = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing",
+                          aws_secret_access_key="testing", region_name="us-east-1")
+        objs = [o for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
+                for o in page.get("Contents", [])]
+        for i in range(0, len(objs), 1000):
+            s3.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": o["Key"]} for o in objs[i:i + 1000]]})
+        return len(objs), sum(o["Size"] for o in objs)
+
+    def counts(self) -> tuple[dict[str, int], int, int]:
+        """Requests by method, bytes sent and bytes received so far."""
         with self._lock:
-            return dict(self.requests), self.sent
+            return dict(self.requests), self.sent, self.received
 
     def close(self) -> None:
         self._server.shutdown()
@@ -102,12 +130,18 @@ def ts_spec(man: dict[str, Any], key: str) -> dict[str, Any]:
                                            "aws_region": "us-east-1"}}
 
 
-def child(case: str, man: dict[str, Any]) -> dict[str, Any]:
+def child(case: str, man: dict[str, Any], target: str) -> dict[str, Any]:
+    """One read (or save, to the prefix ``target``), timed; checked against the manifest."""
+    import warnings
+
     import numpy as np
     import s3fs
     import tensorstore as ts
     import torch
+    import torch.distributed.checkpoint as dcp
     import zarr
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP in one process
 
     import ucl
 
@@ -136,6 +170,33 @@ def child(case: str, man: dict[str, Any]) -> dict[str, Any]:
             out = {name: torch.from_numpy(np.asarray(group[man["tensors"][name]["key"]][a:b]))}
         else:
             out = {n: torch.from_numpy(np.asarray(group[v["key"]][...])) for n, v in man["tensors"].items()}
+    elif case == "DCP load":
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        out = {n: torch.empty(v["shape"]) for n, v in man["tensors"].items()}
+        t0 = time.perf_counter()  # the destination allocated before the clock, as a training process has it
+        dcp.load(out, storage_reader=FsspecReader(f"s3://{man['bucket']}/dcp", **storage_options()))
+    elif case in SAVES:
+        dest = f"s3://{man['bucket']}/{target}"
+        fs = s3fs.S3FileSystem(**storage_options())
+        if case == "objects put":
+            keys = fs.find(f"{man['bucket']}/{man['prefix']}/steps/{STEP}")
+            blobs = {k.replace(f"/{man['prefix']}/", f"/{target}/", 1): v for k, v in fs.cat(keys).items()}
+            t0 = time.perf_counter()
+            fs.pipe(blobs)
+        else:
+            state = C.gpt_state(man["size"])
+            t0 = time.perf_counter()
+            if case == "ucl save":
+                with ucl.CheckpointManager(dest) as mgr:
+                    mgr.save(STEP, state).result()
+            elif case == "ucl.save":
+                ucl.save(state, dest, step=STEP)
+            else:
+                from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+                dcp.save(state, storage_writer=FsspecWriter(dest, thread_count=4, **storage_options()))
+        return {"seconds": time.perf_counter() - t0, "returned": man["nbytes"]}
     elif case == "objects":
         fs = s3fs.S3FileSystem(**storage_options())
         keys = fs.find(f"{man['bucket']}/{man['prefix']}/steps/{STEP}")
@@ -174,6 +235,13 @@ def write_step(size: str, server: Server) -> dict[str, Any]:
     t0 = time.perf_counter()
     ucl.save(state, f"s3://{bucket}/ckpt", step=STEP)
     saved = time.perf_counter() - t0
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    dcp.save(state, storage_writer=FsspecWriter(f"s3://{bucket}/dcp", thread_count=4, **storage_options()))
     rows = state[SLICE_NAME].shape[0]
     a, b = 3 * rows // 8, 4 * rows // 8
     return {
@@ -191,19 +259,21 @@ def main() -> None:
     ap.add_argument("--size", default="small", choices=sorted(C.SIZES))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--child", nargs=2, metavar=("CASE", "MANIFEST"), help=argparse.SUPPRESS)
+    ap.add_argument("--latency-ms", type=float, default=0.0,
+                    help="answer every request this much later (a real store's latency; loopback has none)")
+    ap.add_argument("--child", nargs=3, metavar=("CASE", "MANIFEST", "TARGET"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         with open(a.child[1]) as fh:
             man = json.load(fh)
-        print(json.dumps(child(a.child[0], man)))
+        print(json.dumps(child(a.child[0], man, a.child[2])))
         return
     cases = a.cases.split(",")
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
         ap.error(f"unknown cases {unknown}; known: {CASES}")
     C.compile_package()
-    server = Server()
+    server = Server(a.latency_ms / 1000)
     saved_env = {k: os.environ.get(k) for k in server.env()}
     os.environ.update(server.env())  # the children inherit it
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in cases}
@@ -213,11 +283,14 @@ def main() -> None:
             json.dump(man, fh)
         for rep in range(a.reps):
             for case in cases[rep % len(cases):] + cases[: rep % len(cases)]:
-                before, sent0 = server.counts()
-                r = C.run_child([__file__, "--child", case, fh.name])
-                after, sent1 = server.counts()
+                target = f"save-{rep}-{CASES.index(case)}"
+                before, sent0, received0 = server.counts()
+                r = C.run_child([__file__, "--child", case, fh.name, target])
+                after, sent1, received1 = server.counts()
+                if case in SAVES:
+                    r["objects"], r["stored"] = server.drop(man["bucket"], target)
                 r["requests"] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-                r["sent"] = sent1 - sent0
+                r["sent"], r["received"] = sent1 - sent0, received1 - received0
                 runs[case].append(r)
                 print(f"  {rep} {case}: {json.dumps(r)}", file=sys.stderr)
     finally:
@@ -231,22 +304,24 @@ def main() -> None:
     table = []
     for case in cases:
         rs = runs[case]
-        get = C.median([r["requests"].get("GET", 0) for r in rs])
-        head = C.median([r["requests"].get("HEAD", 0) for r in rs])
-        other = C.median([sum(v for k, v in r["requests"].items() if k not in ("GET", "HEAD")) for r in rs])
-        sent = C.median([r["sent"] for r in rs])
+        n = {m: C.median([r["requests"].get(m, 0) for r in rs]) for m in ("GET", "HEAD", "PUT", "POST")}
+        other = C.median([sum(v for k, v in r["requests"].items() if k not in n) for r in rs])
+        moved = C.median([r["sent"] + r["received"] for r in rs])
         returned = rs[0]["returned"]
         secs = [r["seconds"] for r in rs]
-        table.append([case, f"{C.median(secs):.3f} s", f"{min(secs):.3f}-{max(secs):.3f}", f"{get:.0f}",
-                      f"{head:.0f}", f"{other:.0f}", C.fmt_bytes(sent), C.fmt_bytes(returned),
-                      f"{sent / returned:.2f}x"])
-    print(f"\nremote reads from a loopback S3 server (moto), size={a.size}: {len(man['tensors'])} tensors, "
+        objects = f"{C.median([r['objects'] for r in rs]):.0f}" if case in SAVES else "-"
+        table.append([case, f"{C.median(secs):.3f} s", f"{min(secs):.3f}-{max(secs):.3f}",
+                      *(f"{n[m]:.0f}" for m in n), f"{other:.0f}", C.fmt_bytes(returned), C.fmt_bytes(moved),
+                      f"{moved / returned:.2f}x", objects])
+    print(f"\nremote reads and saves, a loopback S3 server (moto), size={a.size}: {len(man['tensors'])} tensors, "
           f"{C.fmt_bytes(man['nbytes'])} fp32 (saved by ucl.save in {man['saved_s']:.1f} s); slice: "
           f"{SLICE_NAME}[{man['slice']['start']}:{man['slice']['stop']}]; median of {a.reps}, fresh process "
-          f"per read; {C.machine_line()}")
-    print(f"command: ./dev bench remote --size {a.size} --reps {a.reps}\n")
-    print(C.markdown_table(["case", "seconds", "range", "GET", "HEAD", "other requests", "bytes sent",
-                            "bytes returned", "sent / returned"], table))
+          f"per case; {C.machine_line()}")
+    lat = f" --latency-ms {a.latency_ms:g}" if a.latency_ms else ""
+    print(f"command: ./dev bench remote --size {a.size} --reps {a.reps}{lat}\n")
+    print(C.markdown_table(["case", "seconds", "range", "GET", "HEAD", "PUT", "POST", "other requests",
+                            "bytes read or saved", "bytes on the wire", "wire / bytes", "objects written"],
+                           table))
 
 
 if __name__ == "__main__":
