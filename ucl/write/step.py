@@ -190,13 +190,6 @@ class StepWriter:
         size, _ = self.store.write(f"{self.prefix}/{rel}", buffers)
         return rel, (size, shard_digest(buffers))
 
-    def write_documents(self, meta: StepMeta) -> dict[str, FileEntry]:
-        """Write the step's documents without making them durable (local stores), for a writer that
-        overlaps them with its shard writes and then makes everything durable with one ``sync_all``.
-        Pass the result to :meth:`commit` as ``documents``."""
-        return {rel: self.store.write(f"{self.prefix}/{rel}", [data], durable=False)
-                for rel, data in self.documents_of(meta).items()}
-
     def documents_of(self, meta: StepMeta) -> dict[str, bytes]:
         """The step's documents (path relative to the step -> bytes), :func:`step_documents`."""
         return step_documents(meta, self.documents, self.format_version)
