@@ -7,12 +7,16 @@ step is the one a :class:`ucl.CheckpointManager` save of the same state writes.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
+
+import torch
 
 from ucl.errors import InvalidArgumentError, MeshMismatchError
 from ucl.format import structure
-from ucl.format.metadata import CommitRecord, StepMeta
+from ucl.format.metadata import ArrayMeta, CommitRecord, StepMeta
 from ucl.format.repository import Repository
 from ucl.io.stores import Store
 from ucl.layout import as_layout, as_mesh
@@ -21,6 +25,7 @@ from ucl.plan import save as saveplan
 from ucl.plan.layout_save import merge_plans
 from ucl.plan.save import all_shards, array_for, shard_block
 from ucl.write.step import FileEntry, StepWriter
+from ucl.write.uploads import Uploads
 
 __all__ = ["save", "save_sharded"]
 
@@ -90,13 +95,10 @@ def save(state: Mapping[str, Any], path: str | os.PathLike[str] | Store, step: i
     with StepWriter(repo, step, commit_threads=options.commit_threads,
                     format_version=options.format_version) as w:
         w.begin()  # the writer lock, held until the commit
-        files: dict[str, FileEntry] = {}
-        for name, t in tensors.items():
-            meta = arrays[name]
-            cpu = t.detach().to("cpu")
-            for coords in all_shards(meta):
-                rel, entry = w.write_shard(meta, coords, shard_block(meta, coords, cpu))
-                files[rel] = entry
+        blocks = ((arrays[name], coords, shard_block(arrays[name], coords, cpu))
+                  for name, cpu in ((n, t.detach().to("cpu")) for n, t in tensors.items())
+                  for coords in all_shards(arrays[name]))
+        files = _write_shards(w, blocks)
         return w.commit(StepMeta(step=step, kind="full", tree=tree, arrays=arrays), files)
 
 
@@ -129,13 +131,46 @@ def save_sharded(
     with StepWriter(repo, step, commit_threads=options.commit_threads,
                     format_version=options.format_version) as w:
         w.begin()  # the writer lock, held until the commit
-        files: dict[str, tuple[int, int]] = {}
-        for (tensors, _), plan in zip(flat, plans, strict=True):
-            for lw in plan.writes:
-                block = saveplan.block_of(lw, tensors[lw.source].detach().to("cpu"))
-                rel, entry = w.write_shard(lw.array, lw.coords, block)
-                files[rel] = entry
+        files = _write_shards(w, ((lw.array, lw.coords, saveplan.block_of(lw, tensors[lw.source].detach().to("cpu")))
+                                  for (tensors, _), plan in zip(flat, plans, strict=True) for lw in plan.writes))
         tree = structure.graft(flat[0][1], [])  # the JSON values; readers place tensors by their names
         meta = StepMeta(step=step, kind="full", tree=tree, arrays=plans[0].arrays, layout=plans[0].layout,
                         mesh=plans[0].mesh)
         return w.commit(meta, files)
+
+
+#: Object stores: the bytes of the shards uploading at once (the CPU copies of device tensors among them).
+IN_FLIGHT_BYTES = 1 << 30
+
+
+def _write_shards(w: StepWriter, blocks: Iterable[tuple[ArrayMeta, tuple[int, ...], torch.Tensor]]
+                  ) -> dict[str, FileEntry]:
+    """Every shard of ``blocks`` written, in order: on a local disk one after another (each durable when
+    written), on an object store several uploads in flight (:class:`ucl.write.uploads.Uploads`: each
+    request waits out the store's latency; one after another, a 100-tensor step took ~200 requests'
+    latencies), at most IN_FLIGHT_BYTES of them at once."""
+    files: dict[str, FileEntry] = {}
+    if w.store.is_local:
+        for meta, coords, block in blocks:
+            rel, entry = w.write_shard(meta, coords, block)
+            files[rel] = entry
+        return files
+    uploads = Uploads(w.store, 4)
+    pending: deque[tuple[str, Future[FileEntry], int, int]] = deque()  # rel, upload, digest, bytes
+    in_flight = 0
+    try:
+        for meta, coords, block in blocks:
+            rel, upload, digest, n = w.submit_shard(meta, coords, block, uploads)
+            pending.append((rel, upload, digest, n))
+            in_flight += n
+            while in_flight > IN_FLIGHT_BYTES and len(pending) > 1:
+                rel0, up0, digest0, n0 = pending.popleft()
+                files[rel0] = (up0.result()[0], digest0)
+                in_flight -= n0
+        for rel, upload, digest, _ in pending:
+            files[rel] = (upload.result()[0], digest)
+    finally:
+        for _, upload, _, _ in pending:  # after a failure: the others not started, those started ended
+            upload.cancel()
+        uploads.close()
+    return files

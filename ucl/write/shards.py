@@ -28,6 +28,7 @@ from ucl.write.job import Job
 from ucl.write.kinds import DeltaBase
 from ucl.write.staging import CopyGate
 from ucl.write.step import DocumentCache, FileEntry, StepWriter
+from ucl.write.uploads import Uploads
 
 #: The phases :meth:`ShardWriter.write` times (seconds, in ``Job.phases``).
 SHARD_PHASES = ("encode", "paths", "submit", "documents", "drain", "sync", "write")
@@ -54,7 +55,7 @@ class ShardWriter:
         self.format_version = format_version  # of a full step's documents (WriteOptions.format_version)
         self._threads, self._direct = threads, direct
         self._file_writer: FileWriter | None = None
-        self._uploads: ThreadPoolExecutor | None = None
+        self._uploads = Uploads(repo.store, threads)  # object stores: several uploads in flight, large ones few
         self._paths: ThreadPoolExecutor | None = None  # write_path ahead of the encoding (local stores)
         self._phases: dict[int, dict[str, float]] = {}  # step -> its phases so far (a step in pieces)
         self._documents = DocumentCache()  # the arrays' documents, serialized once per plan
@@ -137,8 +138,7 @@ class ShardWriter:
                     jobs.append((rel, fw.submit(path, buffers, checksum=False), buffers))
                     ph["submit"] += clock() - t2
                 else:  # object stores: several uploads in flight
-                    jobs.append((rel, self._remote_pool().submit(store.write, f"{prefix}/{rel}", buffers),
-                                 buffers))
+                    jobs.append((rel, self._uploads.submit(f"{prefix}/{rel}", buffers), buffers))
                     ph["submit"] += clock() - t1
             if self.rank == 0 and job.kind == "full" and job.last_piece and (fw is None or not fw.sync):
                 # a full step's documents are known now: write them while the C threads write the
@@ -149,8 +149,7 @@ class ShardWriter:
                 for rel, data in writer.documents_of(full_meta(job)).items():
                     if fw is None:  # uploads too, after the shards: one by one here, a GPT-2-like step's
                         # 101 documents took 2.0 s beside its shards' 2.1 s on a loopback S3 server
-                        docs.append((rel, self._remote_pool().submit(store.write, f"{prefix}/{rel}", [data],
-                                                                     durable=False)))
+                        docs.append((rel, self._uploads.submit(f"{prefix}/{rel}", [data])))
                     else:  # on the C threads too, after the shards (the queue is in order)
                         path = store.write_path(f"{prefix}/{rel}")
                         assert path is not None
@@ -202,17 +201,11 @@ class ShardWriter:
             self._paths = ThreadPoolExecutor(1, thread_name_prefix="ucl-paths")
         return self._paths
 
-    def _remote_pool(self) -> ThreadPoolExecutor:
-        if self._uploads is None:
-            self._uploads = ThreadPoolExecutor(self._threads, thread_name_prefix="ucl-upload")
-        return self._uploads
-
     def close(self, timeout: float | None) -> None:
         """Stop the C write pool (bounded by ``timeout``) and the uploads (after those in flight)."""
         if self._file_writer is not None:
             self._file_writer.close(timeout)
-        if self._uploads is not None:
-            self._uploads.shutdown(wait=True)
+        self._uploads.close()
         if self._paths is not None:
             self._paths.shutdown(wait=True)
 

@@ -389,6 +389,47 @@ def test_a_document_larger_than_its_record_is_refused_on_s3(bucket) -> None:
         ucl.open(url)
 
 
+@pytest.mark.parametrize("writer", ["manager", "ucl.save"])
+def test_uploads_in_flight_many_small_few_large(bucket, monkeypatch, writer) -> None:
+    """A save to an object store (a manager's, or ucl.save's) uploads up to UPLOADS objects at once (each
+    waits out the store's latency), but at most a few of LARGE_UPLOAD bytes or more (multipart uploads,
+    their parts in memory: the manager's ``writer_threads``, ucl.save's 4); the step reads back
+    bit-exact. Before, ucl.save uploaded its shards one after another and the manager 4 at a time."""
+    from ucl.write import uploads as shards
+
+    state = {f"small{i}": torch.randn(64) for i in range(40)}
+    state.update({f"large{i}": torch.randn(shards.LARGE_UPLOAD // 4 + 1) for i in range(6)})
+    lock = threading.Lock()
+    now = {"small": 0, "large": 0}
+    peak = {"small": 0, "large": 0, "all": 0}
+    write = FsspecStore.write
+
+    def spy(self, key, buffers, **kw):  # type: ignore[no-untyped-def]
+        kind = "large" if sum(memoryview(b).nbytes for b in buffers) >= shards.LARGE_UPLOAD else "small"
+        with lock:
+            now[kind] += 1
+            peak[kind] = max(peak[kind], now[kind])
+            peak["all"] = max(peak["all"], now["small"] + now["large"])
+        try:
+            time.sleep(0.05)  # a store's latency: the uploads overlap
+            return write(self, key, buffers, **kw)
+        finally:
+            with lock:
+                now[kind] -= 1
+
+    monkeypatch.setattr(FsspecStore, "write", spy)
+    url = f"s3://{bucket}/uploads"
+    if writer == "manager":
+        with CheckpointManager(url, writer_threads=2) as mgr:
+            mgr.save(0, state).result()
+    else:
+        ucl.save(state, url, step=0)
+    assert peak["large"] == (2 if writer == "manager" else 4), peak
+    assert peak["small"] > 4 and peak["all"] <= shards.UPLOADS, peak
+    got = ucl.load(url)
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
 def test_readinto_and_short_reads(bucket) -> None:
     store = FsspecStore(f"s3://{bucket}/r")
     data = bytes(range(100))
