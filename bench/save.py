@@ -15,6 +15,10 @@ Columns:
   8 MiB blocks, 4 in flight, fdatasync, timed open to close, one file of the state's bytes; in its own
   process, not interleaved with ucl's saves: bench/peers.py runs it before each of them instead);
 - memcpy: one plain copy of the state into warm memory, the floor for a snapshot's blocking time.
+
+Rows: ucl's manager (a steady save: the second of the process), the same with a staging budget of the
+state's size, ``ucl.save`` (the one-call writer, the first save of a process), the peers, the memcpy and
+the device probe.
 """
 
 from __future__ import annotations
@@ -64,6 +68,12 @@ def child(case: str, size: str, root: str) -> dict:
     elif case == "device limit":  # bench/probe.c: the probe of bench/peers.py
         r = c.probe_write(os.path.join(out, "probe"), [nbytes])
         blocking = durable = r["seconds"]
+    elif case == "ucl.save (one call)":  # the one-call writer, as a script saving once would use it
+        import ucl
+
+        t0 = time.perf_counter()
+        ucl.save(state, out, step=0)
+        blocking = durable = time.perf_counter() - t0
     elif case.startswith("ucl"):
         from ucl.write.manager import CheckpointManager
 
@@ -112,8 +122,8 @@ def child(case: str, size: str, root: str) -> dict:
     return {"case": case, "bytes": nbytes, "blocking": blocking, "durable": durable, "peak": peak}
 
 
-CASES = ["memcpy", "device limit", "ucl", "ucl (staging budget = 1x state)", "torch.save", "safetensors",
-         "dcp.save", "dcp.async_save"]
+CASES = ["memcpy", "device limit", "ucl", "ucl (staging budget = 1x state)", "ucl.save (one call)", "torch.save",
+         "safetensors", "dcp.save", "dcp.async_save"]
 PEERS = ["torch.save", "safetensors", "dcp.save", "dcp.async_save"]
 
 
