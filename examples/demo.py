@@ -214,23 +214,25 @@ def act_train(d: Demo) -> None:
 
 # -- act 2: crash in the middle of a save --------------------------------------------------------
 class PausingStore(LocalStore):
-    """A local store that, once it has written ``after`` files of step ``step``, announces it and waits
-    (to be SIGKILLed): a crash in the middle of a save, at a known point."""
+    """A local store that, once ``after`` shard files of step ``step`` are handed to the writer threads,
+    announces it and waits (to be SIGKILLed) before handing out the next: a crash in the middle of a
+    save, at a known point. (``ucl.save`` asks the store for each shard file's path, then its C threads
+    write the file, as the manager's do.)"""
 
     def __init__(self, root: str, step: int, after: int, total: int) -> None:
         super().__init__(root)
         self.prefix = f"steps/{step}/"
-        self.after, self.total, self.written = after, total, 0
+        self.after, self.total, self.handed = after, total, 0
 
-    def write(self, key: str, buffers: Any) -> tuple[int, int]:
-        out = super().write(key, buffers)
+    def write_path(self, key: str) -> str | None:
         if key.startswith(self.prefix) and not key.endswith("zarr.json"):
-            self.written += 1
-            if self.written == self.after:
-                print(f"CRASH-POINT {self.prefix.split('/')[1]} {self.written} {self.total}", flush=True)
+            if self.handed == self.after:
+                time.sleep(0.5)  # the files handed out are written meanwhile
+                print(f"CRASH-POINT {self.prefix.split('/')[1]} {self.handed} {self.total}", flush=True)
                 time.sleep(CHILD_TIMEOUT_S)  # the parent kills us here; if it died instead, never commit
                 os._exit(4)
-        return out
+            self.handed += 1
+        return super().write_path(key)
 
 
 def crash_child(a: argparse.Namespace) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -18,7 +17,10 @@ from ucl.errors import InvalidArgumentError, MeshMismatchError
 from ucl.format import structure
 from ucl.format.metadata import ArrayMeta, CommitRecord, StepMeta
 from ucl.format.repository import Repository
+from ucl.format.shardfile import encode_shard, shard_digest
+from ucl.io.native import FileWriter
 from ucl.io.stores import Store
+from ucl.io.stores.local import HAS_SYNCFS
 from ucl.layout import as_layout, as_mesh
 from ucl.options import DEFAULT_WRITE, WriteOptions
 from ucl.plan import save as saveplan
@@ -139,38 +141,56 @@ def save_sharded(
         return w.commit(meta, files)
 
 
-#: Object stores: the bytes of the shards uploading at once (the CPU copies of device tensors among them).
+#: The bytes of shards being written at once (the CPU copies of device tensors among them).
 IN_FLIGHT_BYTES = 1 << 30
 
 
 def _write_shards(w: StepWriter, blocks: Iterable[tuple[ArrayMeta, tuple[int, ...], torch.Tensor]]
                   ) -> dict[str, FileEntry]:
-    """Every shard of ``blocks`` written, in order: on a local disk one after another (each durable when
-    written), on an object store several uploads in flight (:class:`ucl.write.uploads.Uploads`: each
-    request waits out the store's latency; one after another, a 100-tensor step took ~200 requests'
-    latencies), at most IN_FLIGHT_BYTES of them at once."""
+    """Every shard of ``blocks`` written, several at once, at most IN_FLIGHT_BYTES of them; durable on
+    return. On a local disk through the manager's C writer (O_DIRECT, 4 requests in flight, one syncfs at
+    the end: one file after another, each fsync'ed, took 1.6-2.9x the manager's time for the same state);
+    on an object store as uploads (:class:`ucl.write.uploads.Uploads`: each request waits out the store's
+    latency)."""
+    store = w.store
+    fw = FileWriter(threads=4, sync=not HAS_SYNCFS) if store.is_local else None
+    uploads = Uploads(store, 4) if fw is None else None
+
+    def submit(rel: str, buffers: list[Any]) -> Any:
+        if fw is None:
+            assert uploads is not None
+            return uploads.submit(f"{w.prefix}/{rel}", buffers)
+        path = store.write_path(f"{w.prefix}/{rel}")
+        assert path is not None
+        return fw.submit(path, buffers, checksum=False)  # the encoder checksummed every inner chunk
+
+    def size(job: Any) -> int:
+        return int(fw.wait(job)[0] if fw is not None else job.result()[0])
+
     files: dict[str, FileEntry] = {}
-    if w.store.is_local:
-        for meta, coords, block in blocks:
-            rel, entry = w.write_shard(meta, coords, block)
-            files[rel] = entry
-        return files
-    uploads = Uploads(w.store, 4)
-    pending: deque[tuple[str, Future[FileEntry], int, int]] = deque()  # rel, upload, digest, bytes
+    pending: deque[tuple[str, Any, int, int, list[Any]]] = deque()  # rel, job, digest, bytes, buffers
     in_flight = 0
     try:
         for meta, coords, block in blocks:
-            rel, upload, digest, n = w.submit_shard(meta, coords, block, uploads)
-            pending.append((rel, upload, digest, n))
+            rel = meta.shard_key(coords)
+            buffers = encode_shard(meta, coords, block)
+            n = sum(memoryview(b).nbytes for b in buffers)
+            pending.append((rel, submit(rel, buffers), shard_digest(buffers), n, buffers))
             in_flight += n
             while in_flight > IN_FLIGHT_BYTES and len(pending) > 1:
-                rel0, up0, digest0, n0 = pending.popleft()
-                files[rel0] = (up0.result()[0], digest0)
+                rel0, job0, digest0, n0, _ = pending.popleft()
+                files[rel0] = (size(job0), digest0)
                 in_flight -= n0
-        for rel, upload, digest, _ in pending:
-            files[rel] = (upload.result()[0], digest)
+        while pending:
+            rel0, job0, digest0, _, _ = pending.popleft()
+            files[rel0] = (size(job0), digest0)
     finally:
-        for _, upload, _, _ in pending:  # after a failure: the others not started, those started ended
-            upload.cancel()
-        uploads.close()
+        if uploads is not None:
+            for _, job, _, _, _ in pending:  # after a failure: those not started are not
+                job.cancel()
+            uploads.close()
+        if fw is not None:
+            fw.close(None)  # after a failure: waits for the jobs in flight, whose buffers are alive here
+    if fw is not None and not fw.sync:
+        store.sync_all()  # every shard durable (data, sizes, directory entries) before the commit
     return files

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import cache
 
@@ -24,7 +24,6 @@ from ucl.format.repository import Repository, check_step, commit_key, compaction
 from ucl.format.shardfile import encode_shard, shard_digest
 from ucl.io.stores.base import Store
 from ucl.write import compaction, events
-from ucl.write.uploads import Uploads
 
 FileEntry = tuple[int, int]  # (size, crc32c)
 
@@ -190,15 +189,6 @@ class StepWriter:
         buffers = encode_shard(meta, coords, block)
         size, _ = self.store.write(f"{self.prefix}/{rel}", buffers)
         return rel, (size, shard_digest(buffers))
-
-    def submit_shard(self, meta: ArrayMeta, coords: tuple[int, ...], block: torch.Tensor,
-                     uploads: Uploads) -> tuple[str, Future[FileEntry], int, int]:
-        """:meth:`write_shard` on an object store's upload pool: the file's relative path, its upload
-        (whose result's size is the file's), its digest and its bytes."""
-        rel = meta.shard_key(coords)
-        buffers = encode_shard(meta, coords, block)
-        n = sum(memoryview(b).nbytes for b in buffers)
-        return rel, uploads.submit(f"{self.prefix}/{rel}", buffers), shard_digest(buffers), n
 
     def documents_of(self, meta: StepMeta) -> dict[str, bytes]:
         """The step's documents (path relative to the step -> bytes), :func:`step_documents`."""
