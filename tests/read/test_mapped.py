@@ -41,6 +41,11 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, tor
     repo = tmp_path_factory.mktemp("mapped") / "r"
     st_ = _state()
     ucl.save(st_, repo, step=0)
+    # a slice is mapped only where its pages are cached (a cold one is copied: a mapping would fault them
+    # in one by one), and ucl.save writes with O_DIRECT, which leaves none cached: read them once
+    for f in repo.rglob("*"):
+        if f.is_file():
+            f.read_bytes()
     return repo, st_
 
 
