@@ -354,9 +354,13 @@ class Writer(StorageWriter):
         tensor_items = [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
         if tensor_items:
             writer = StepWriter(Repository.open(self.path, self.storage_options), rp.step)
-            for item in tensor_items:
-                meta = rp.arrays[item.index.fqn]
-                files = _write_item(writer, meta, item, planner.resolve_data(item))
+            # every item's shards written several at once (StepWriter.write_shards), each item's data
+            # resolved and checked as its turn comes
+            cells = [(item, rp.arrays[item.index.fqn]) for item in tensor_items]
+            written = writer.write_shards(b for item, meta in cells
+                                          for b in _item_blocks(meta, item, planner.resolve_data(item)))
+            for item, meta in cells:
+                files = {rel: written[rel] for rel in _item_files(meta, item)}
                 results.append(WriteResult(index=item.index, size_in_bytes=sum(s for s, _ in files.values()),
                                            storage_data={"files": files}))
         fut: Future[list[WriteResult]] = Future()
@@ -414,8 +418,9 @@ def _lookup_object(planner: SavePlanner, item: WriteItem) -> Any:
                                    tensor=item.index.fqn) from None
 
 
-def _write_item(writer: StepWriter, meta: ArrayMeta, item: WriteItem, data: Any) -> dict[str, tuple[int, int]]:
-    """Write the shards of one DCP box: each grid cell of the box from the rank's own piece."""
+def _item_blocks(meta: ArrayMeta, item: WriteItem, data: Any) -> list[tuple[ArrayMeta, tuple[int, ...], torch.Tensor]]:
+    """The shards of one DCP box (array, shard coordinates, block): each grid cell of the box from the
+    rank's own piece."""
     if not isinstance(data, torch.Tensor):
         raise InvalidArgumentError(f"the planner resolved DCP item {item.index.fqn!r} to a {type(data).__name__}, "
                                    "not a tensor", tensor=item.index.fqn)
@@ -427,16 +432,25 @@ def _write_item(writer: StepWriter, meta: ArrayMeta, item: WriteItem, data: Any)
         raise InvalidArgumentError(f"DCP item {item.index.fqn!r}: data of shape {list(t.shape)} for a chunk of sizes "
                                    f"{list(sizes)}", tensor=item.index.fqn)
     if not all(sizes):
-        return {}
+        return []
     if t.device.type != "cpu":
         t = t.to("cpu")
-    files = {}
+    out = []
     for coords in _cells(meta.chunk_shape, offsets, sizes):
         idx = tuple(slice(c * k - o, min((c + 1) * k, n) - o)
                     for c, k, n, o in zip(coords, meta.chunk_shape, meta.shape, offsets, strict=True))
-        rel, entry = writer.write_shard(meta, coords, t[idx])
-        files[rel] = entry
-    return files
+        out.append((meta, coords, t[idx]))
+    return out
+
+
+def _item_files(meta: ArrayMeta, item: WriteItem) -> list[str]:
+    """The shard files of one DCP box (:func:`_item_blocks`)."""
+    td = item.tensor_data
+    assert td is not None
+    offsets, sizes = tuple(td.chunk.offsets), tuple(td.chunk.sizes)
+    if not all(sizes):
+        return []
+    return [meta.shard_key(coords) for coords in _cells(meta.chunk_shape, offsets, sizes)]
 
 
 # -- the reader ------------------------------------------------------------------------------------

@@ -7,27 +7,20 @@ step is the one a :class:`ucl.CheckpointManager` save of the same state writes.
 from __future__ import annotations
 
 import os
-from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
-
-import torch
 
 from ucl.errors import InvalidArgumentError, MeshMismatchError
 from ucl.format import structure
-from ucl.format.metadata import ArrayMeta, CommitRecord, StepMeta
+from ucl.format.metadata import CommitRecord, StepMeta
 from ucl.format.repository import Repository
-from ucl.format.shardfile import encode_shard, shard_digest
-from ucl.io.native import FileWriter
 from ucl.io.stores import Store
-from ucl.io.stores.local import HAS_SYNCFS
 from ucl.layout import as_layout, as_mesh
 from ucl.options import DEFAULT_WRITE, WriteOptions
 from ucl.plan import save as saveplan
 from ucl.plan.layout_save import merge_plans
 from ucl.plan.save import all_shards, array_for, shard_block
-from ucl.write.step import FileEntry, StepWriter
-from ucl.write.uploads import Uploads
+from ucl.write.step import StepWriter
 
 __all__ = ["save", "save_sharded"]
 
@@ -100,7 +93,7 @@ def save(state: Mapping[str, Any], path: str | os.PathLike[str] | Store, step: i
         blocks = ((arrays[name], coords, shard_block(arrays[name], coords, cpu))
                   for name, cpu in ((n, t.detach().to("cpu")) for n, t in tensors.items())
                   for coords in all_shards(arrays[name]))
-        files = _write_shards(w, blocks)
+        files = w.write_shards(blocks)
         return w.commit(StepMeta(step=step, kind="full", tree=tree, arrays=arrays), files)
 
 
@@ -133,64 +126,9 @@ def save_sharded(
     with StepWriter(repo, step, commit_threads=options.commit_threads,
                     format_version=options.format_version) as w:
         w.begin()  # the writer lock, held until the commit
-        files = _write_shards(w, ((lw.array, lw.coords, saveplan.block_of(lw, tensors[lw.source].detach().to("cpu")))
+        files = w.write_shards(((lw.array, lw.coords, saveplan.block_of(lw, tensors[lw.source].detach().to("cpu")))
                                   for (tensors, _), plan in zip(flat, plans, strict=True) for lw in plan.writes))
         tree = structure.graft(flat[0][1], [])  # the JSON values; readers place tensors by their names
         meta = StepMeta(step=step, kind="full", tree=tree, arrays=plans[0].arrays, layout=plans[0].layout,
                         mesh=plans[0].mesh)
         return w.commit(meta, files)
-
-
-#: The bytes of shards being written at once (the CPU copies of device tensors among them).
-IN_FLIGHT_BYTES = 1 << 30
-
-
-def _write_shards(w: StepWriter, blocks: Iterable[tuple[ArrayMeta, tuple[int, ...], torch.Tensor]]
-                  ) -> dict[str, FileEntry]:
-    """Every shard of ``blocks`` written, several at once, at most IN_FLIGHT_BYTES of them; durable on
-    return. On a local disk through the manager's C writer (O_DIRECT, 4 requests in flight, one syncfs at
-    the end: one file after another, each fsync'ed, took 1.6-2.9x the manager's time for the same state);
-    on an object store as uploads (:class:`ucl.write.uploads.Uploads`: each request waits out the store's
-    latency)."""
-    store = w.store
-    fw = FileWriter(threads=4, sync=not HAS_SYNCFS) if store.is_local else None
-    uploads = Uploads(store, 4) if fw is None else None
-
-    def submit(rel: str, buffers: list[Any]) -> Any:
-        if fw is None:
-            assert uploads is not None
-            return uploads.submit(f"{w.prefix}/{rel}", buffers)
-        path = store.write_path(f"{w.prefix}/{rel}")
-        assert path is not None
-        return fw.submit(path, buffers, checksum=False)  # the encoder checksummed every inner chunk
-
-    def size(job: Any) -> int:
-        return int(fw.wait(job)[0] if fw is not None else job.result()[0])
-
-    files: dict[str, FileEntry] = {}
-    pending: deque[tuple[str, Any, int, int, list[Any]]] = deque()  # rel, job, digest, bytes, buffers
-    in_flight = 0
-    try:
-        for meta, coords, block in blocks:
-            rel = meta.shard_key(coords)
-            buffers = encode_shard(meta, coords, block)
-            n = sum(memoryview(b).nbytes for b in buffers)
-            pending.append((rel, submit(rel, buffers), shard_digest(buffers), n, buffers))
-            in_flight += n
-            while in_flight > IN_FLIGHT_BYTES and len(pending) > 1:
-                rel0, job0, digest0, n0, _ = pending.popleft()
-                files[rel0] = (size(job0), digest0)
-                in_flight -= n0
-        while pending:
-            rel0, job0, digest0, _, _ = pending.popleft()
-            files[rel0] = (size(job0), digest0)
-    finally:
-        if uploads is not None:
-            for _, job, _, _, _ in pending:  # after a failure: those not started are not
-                job.cancel()
-            uploads.close()
-        if fw is not None:
-            fw.close(None)  # after a failure: waits for the jobs in flight, whose buffers are alive here
-    if fw is not None and not fw.sync:
-        store.sync_all()  # every shard durable (data, sizes, directory entries) before the commit
-    return files

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import cache
+from typing import Any
 
 import torch
 
@@ -22,8 +24,11 @@ from ucl.format.lock import WriterLock
 from ucl.format.metadata import ArrayMeta, CommitRecord, StepMeta
 from ucl.format.repository import Repository, check_step, commit_key, compaction_journal, step_prefix
 from ucl.format.shardfile import encode_shard, shard_digest
+from ucl.io.native import FileWriter
 from ucl.io.stores.base import Store
+from ucl.io.stores.local import HAS_SYNCFS
 from ucl.write import compaction, events
+from ucl.write.uploads import Uploads
 
 FileEntry = tuple[int, int]  # (size, crc32c)
 
@@ -119,6 +124,11 @@ def step_documents(meta: StepMeta, cache: DocumentCache | None = None,
     return docs
 
 
+#: :meth:`StepWriter.write_shards`: the bytes of shards being written at once (the CPU copies of device
+#: tensors among them).
+IN_FLIGHT_BYTES = 1 << 30
+
+
 class StepWriter:
     """Writes one step of a repository.
 
@@ -189,6 +199,57 @@ class StepWriter:
         buffers = encode_shard(meta, coords, block)
         size, _ = self.store.write(f"{self.prefix}/{rel}", buffers)
         return rel, (size, shard_digest(buffers))
+
+    def write_shards(self, blocks: Iterable[tuple[ArrayMeta, tuple[int, ...], torch.Tensor]]
+                     ) -> dict[str, FileEntry]:
+        """Every shard of ``blocks`` (array, shard coordinates, its block) written, several at once, at
+        most IN_FLIGHT_BYTES of them; each file's entry (as :meth:`write_shard`), durable on return. On a
+        local disk through the C writer (O_DIRECT, 4 requests in flight, one syncfs at the end: one file
+        after another, each fsync'ed, took 1.6-2.9x a manager's save of the same state); on an object
+        store as uploads (:class:`ucl.write.uploads.Uploads`: each request waits out the store's
+        latency)."""
+        store = self.store
+        fw = FileWriter(threads=4, sync=not HAS_SYNCFS) if store.is_local else None
+        uploads = Uploads(store, 4) if fw is None else None
+
+        def submit(rel: str, buffers: list[Any]) -> Any:
+            if fw is None:
+                assert uploads is not None
+                return uploads.submit(f"{self.prefix}/{rel}", buffers)
+            path = store.write_path(f"{self.prefix}/{rel}")
+            assert path is not None
+            return fw.submit(path, buffers, checksum=False)  # the encoder checksummed every inner chunk
+
+        def size(job: Any) -> int:
+            return int(fw.wait(job)[0] if fw is not None else job.result()[0])
+
+        files: dict[str, FileEntry] = {}
+        pending: deque[tuple[str, Any, int, int, list[Any]]] = deque()  # rel, job, digest, bytes, buffers
+        in_flight = 0
+        try:
+            for meta, coords, block in blocks:
+                rel = meta.shard_key(coords)
+                buffers = encode_shard(meta, coords, block)
+                n = sum(memoryview(b).nbytes for b in buffers)
+                pending.append((rel, submit(rel, buffers), shard_digest(buffers), n, buffers))
+                in_flight += n
+                while in_flight > IN_FLIGHT_BYTES and len(pending) > 1:
+                    rel0, job0, digest0, n0, _ = pending.popleft()
+                    files[rel0] = (size(job0), digest0)
+                    in_flight -= n0
+            while pending:
+                rel0, job0, digest0, _, _ = pending.popleft()
+                files[rel0] = (size(job0), digest0)
+        finally:
+            if uploads is not None:
+                for _, job, _, _, _ in pending:  # after a failure: those not started are not
+                    job.cancel()
+                uploads.close()
+            if fw is not None:
+                fw.close(None)  # after a failure: waits for the jobs in flight, whose buffers are alive here
+        if fw is not None and not fw.sync:
+            store.sync_all()  # every shard durable (data, sizes, directory entries) before the commit
+        return files
 
     def documents_of(self, meta: StepMeta) -> dict[str, bytes]:
         """The step's documents (path relative to the step -> bytes), :func:`step_documents`."""
