@@ -38,7 +38,7 @@ import json
 import math
 import os
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -356,11 +356,18 @@ class Writer(StorageWriter):
             writer = StepWriter(Repository.open(self.path, self.storage_options), rp.step)
             # every item's shards written several at once (StepWriter.write_shards), each item's data
             # resolved and checked as its turn comes
-            cells = [(item, rp.arrays[item.index.fqn]) for item in tensor_items]
-            written = writer.write_shards(b for item, meta in cells
-                                          for b in _item_blocks(meta, item, planner.resolve_data(item)))
-            for item, meta in cells:
-                files = {rel: written[rel] for rel in _item_files(meta, item)}
+            rels: list[list[str]] = []  # each item's files, in the order the items are written
+
+            def blocks() -> Iterator[tuple[ArrayMeta, tuple[int, ...], torch.Tensor]]:
+                for item in tensor_items:
+                    meta = rp.arrays[item.index.fqn]
+                    mine = _item_blocks(meta, item, planner.resolve_data(item))
+                    rels.append([meta.shard_key(coords) for _, coords, _ in mine])
+                    yield from mine
+
+            written = writer.write_shards(blocks())
+            for item, item_rels in zip(tensor_items, rels, strict=True):
+                files = {rel: written[rel] for rel in item_rels}
                 results.append(WriteResult(index=item.index, size_in_bytes=sum(s for s, _ in files.values()),
                                            storage_data={"files": files}))
         fut: Future[list[WriteResult]] = Future()
@@ -441,16 +448,6 @@ def _item_blocks(meta: ArrayMeta, item: WriteItem, data: Any) -> list[tuple[Arra
                     for c, k, n, o in zip(coords, meta.chunk_shape, meta.shape, offsets, strict=True))
         out.append((meta, coords, t[idx]))
     return out
-
-
-def _item_files(meta: ArrayMeta, item: WriteItem) -> list[str]:
-    """The shard files of one DCP box (:func:`_item_blocks`)."""
-    td = item.tensor_data
-    assert td is not None
-    offsets, sizes = tuple(td.chunk.offsets), tuple(td.chunk.sizes)
-    if not all(sizes):
-        return []
-    return [meta.shard_key(coords) for coords in _cells(meta.chunk_shape, offsets, sizes)]
 
 
 # -- the reader ------------------------------------------------------------------------------------

@@ -287,15 +287,13 @@ def _read_part(files: StepFiles, c: ChunkRead) -> None:
         pre, post = memoryview(bytearray(lo)), memoryview(bytearray(n - hi))
         read(0, [pre, dst, post, memoryview(c.crc)])
         crc = _native.crc32c(post, _native.crc32c(dst, _native.crc32c(pre, 0)))
-        if crc != _CRC.unpack(c.crc)[0]:
-            raise chunk_checksum_error(c.meta, c.key, c.coords)
-        return
-    crc = through_scratch(0, lo)
-    read(lo, [dst, memoryview(c.crc)] if hi == n else [dst])
-    crc = _native.crc32c(dst, crc)
-    crc = through_scratch(hi, n)
-    if hi != n:
-        read(n, [memoryview(c.crc)])
+    else:
+        crc = through_scratch(0, lo)
+        read(lo, [dst, memoryview(c.crc)] if hi == n else [dst])
+        crc = _native.crc32c(dst, crc)
+        crc = through_scratch(hi, n)
+        if hi != n:
+            read(n, [memoryview(c.crc)])
     if crc != _CRC.unpack(c.crc)[0]:
         raise chunk_checksum_error(c.meta, c.key, c.coords)
 

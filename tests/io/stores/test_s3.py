@@ -372,7 +372,7 @@ def test_a_slice_reads_each_edge_chunk_in_one_request(bucket, monkeypatch) -> No
     assert not [c for c in calls if c[0] == "size"], calls
 
 
-def test_a_document_larger_than_its_record_is_refused_on_s3(bucket) -> None:
+def test_a_document_larger_than_its_record_is_refused_on_s3(bucket, monkeypatch) -> None:
     """The step document is read with one ranged GET of its recorded size + 1 bytes (no size query
     first): a longer object is refused, naming its size, and nothing past the record's size + 1 is read."""
     url = f"s3://{bucket}/long"
@@ -381,9 +381,23 @@ def test_a_document_larger_than_its_record_is_refused_on_s3(bucket) -> None:
     key = "long/steps/0/zarr.json"
     body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
     s3.put_object(Bucket=bucket, Key=key, Body=body + b" " * 100)
+    calls: list[tuple[str, str, int]] = []
+    for name in ("read_range", "size"):
+        real = getattr(FsspecStore, name)
+
+        def spy(self, k, *a, _real=real, _name=name):  # type: ignore[no-untyped-def]
+            out = _real(self, k, *a)
+            if k == "steps/0/zarr.json":
+                calls.append((_name, k, len(out) if _name == "read_range" else -1))
+            return out
+
+        monkeypatch.setattr(FsspecStore, name, spy)
     with pytest.raises(ShardSizeError, match=rf"steps/0/zarr.json is {len(body) + 100} bytes, the commit record "
                                              rf"says {len(body)}"):
         ucl.open(url)
+    # one read of at most the record's size + 1 bytes, then (only to name it in the error) its size
+    assert [(c[0], c[2]) for c in calls] == [("read_range", len(body) + 1), ("size", -1)], calls
+    monkeypatch.undo()
     s3.put_object(Bucket=bucket, Key=key, Body=body[:-1])
     with pytest.raises(ShardSizeError, match=rf"is {len(body) - 1} bytes, the commit record says {len(body)}"):
         ucl.open(url)
